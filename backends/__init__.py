@@ -1,0 +1,47 @@
+"""Backends by name. Heavy ones (numba, torch, mlx) are imported only when asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Backend
+
+# name -> (module, class); modules are relative to this package.
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "numpy": (".numpy_backend", "NumpyBackend"),
+}
+
+#: Tried in order by ``get_backend("auto")``.
+AUTO_ORDER: tuple[str, ...] = ("numpy",)
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that import and run on this machine."""
+    names = []
+    for name in _REGISTRY:
+        try:
+            get_backend(name)
+        except (ImportError, RuntimeError):
+            continue
+        names.append(name)
+    return names
+
+
+def get_backend(name: str = "auto", **options) -> Backend:
+    """A backend instance by name; "auto" picks the fastest that works here."""
+    if name == "auto":
+        errors = []
+        for candidate in AUTO_ORDER:
+            try:
+                return get_backend(candidate, **options)
+            except (ImportError, RuntimeError) as exc:
+                errors.append(f"{candidate}: {exc}")
+        raise RuntimeError("no backend works here: " + "; ".join(errors))
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}: choose one of auto, {', '.join(_REGISTRY)}")
+    module, cls = _REGISTRY[name]
+    backend_cls = getattr(importlib.import_module(module, __name__), cls)
+    return backend_cls(**options)
+
+
+__all__ = ["Backend", "get_backend", "available_backends", "AUTO_ORDER"]

@@ -1,0 +1,98 @@
+"""The op interface every backend implements.
+
+Model code is written once against these ops. Arrays that flow between ops are the
+backend's own (numpy arrays, torch tensors, mlx arrays); model code only reshapes them,
+slices them and adds them with ``+``, which all three support. Weights go through
+``prepare`` once at load, so a backend may repack, dequantize or upload them as it likes.
+
+Shapes: ``n`` new tokens, ``d`` model width, ``H``/``KVH`` query/key-value heads, ``hd`` head
+dim, ``T`` cached positions visible to the new tokens.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from edgellm.converters.gguf_reader import QTensor
+
+Array = Any  # the backend's own array type
+
+
+class Backend(ABC):
+    """A small set of ops; everything a transformer forward pass needs."""
+
+    name: str = "abstract"
+
+    # -- weights -------------------------------------------------------------------------
+    @abstractmethod
+    def prepare(self, tensor: QTensor) -> Any:
+        """A weight matrix (out, in) in whatever form ``matmul`` wants."""
+
+    @abstractmethod
+    def prepare_embedding(self, tensor: QTensor) -> Any:
+        """A (vocab, d) table that ``embed`` can gather rows from."""
+
+    def prepare_vector(self, tensor: QTensor) -> Array:
+        """A small f32 tensor (norm weights, biases), as a backend array."""
+        return self.asarray(tensor.dequantize())
+
+    # -- data movement -------------------------------------------------------------------
+    @abstractmethod
+    def asarray(self, values: np.ndarray) -> Array:
+        """A numpy array as a backend array (f32 stays f32)."""
+
+    @abstractmethod
+    def to_numpy(self, x: Array) -> np.ndarray:
+        """A backend array as a float32 numpy array."""
+
+    @abstractmethod
+    def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array:
+        """A zero-filled array: the KV cache's storage (dtype "float32" or "float16")."""
+
+    # -- ops -----------------------------------------------------------------------------
+    @abstractmethod
+    def embed(self, table: Any, ids: np.ndarray) -> Array:
+        """Rows ``ids`` (n,) of the embedding table -> (n, d) f32."""
+
+    @abstractmethod
+    def matmul(self, x: Array, weight: Any, bias: Array | None = None) -> Array:
+        """x (n, in) @ weight.T (in, out) [+ bias] -> (n, out)."""
+
+    @abstractmethod
+    def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
+        """RMS-normalise the last axis, then scale by weight (last-axis sized)."""
+
+    @abstractmethod
+    def rope(self, x: Array, positions: np.ndarray, theta: float, neox: bool,
+             freq_factors: np.ndarray | None = None, freq_scale: float = 1.0) -> Array:
+        """Rotary embedding over the last axis of x (n, heads, hd) at positions (n,).
+
+        ``neox`` rotates halves (x[i], x[i + hd/2]); otherwise adjacent pairs (x[2i], x[2i+1]),
+        as ggml's NEOX and NORM modes. ``freq_factors`` (hd/2,) divide the frequencies (Llama 3).
+        """
+
+    @abstractmethod
+    def attention(self, q: Array, k: Array, v: Array, mask: np.ndarray, scale: float,
+                  softcap: float = 0.0) -> Array:
+        """Softmax attention with grouped KV heads.
+
+        q (n, H, hd), k/v (T, KVH, hd), mask (n, T) bool (True = visible) -> (n, H, hd).
+        """
+
+    @abstractmethod
+    def silu_mul(self, gate: Array, up: Array) -> Array:
+        """silu(gate) * up (SwiGLU)."""
+
+    @abstractmethod
+    def gelu_tanh_mul(self, gate: Array, up: Array) -> Array:
+        """gelu_tanh(gate) * up (GeGLU)."""
+
+    def scale(self, x: Array, factor: float) -> Array:
+        return x * factor
+
+    def softcap(self, x: Array, cap: float) -> Array:
+        """cap * tanh(x / cap): Gemma-style logit soft-capping."""
+        return self.asarray(np.tanh(self.to_numpy(x) / cap) * cap)

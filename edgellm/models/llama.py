@@ -1,0 +1,180 @@
+"""Llama family (Llama 2/3.x, SmolLM2, Mistral): pre-norm decoder, GQA, SwiGLU, RoPE.
+
+GGUF stores Llama's Q and K weights permuted for ggml's adjacent-pair RoPE (NORM mode), so
+RoPE here rotates pairs (x[2i], x[2i+1]). Qwen2 subclasses this with half-split RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgellm.cache import KVCache, LayerCache
+from edgellm.config import ModelArgs
+from edgellm.converters.gguf_reader import QTensor
+
+
+@dataclass
+class AttentionWeights:
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    bq: Any = None
+    bk: Any = None
+    bv: Any = None
+    q_norm: Any = None  # (hd,) per-head RMSNorm of queries (Gemma 3, Qwen3)
+    k_norm: Any = None
+
+
+@dataclass
+class Block:
+    attn_norm: Any
+    attn: AttentionWeights
+    ffn_norm: Any
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+    post_attn_norm: Any = None  # Gemma-style norms on the sublayer outputs
+    post_ffn_norm: Any = None
+
+
+class Model:
+    """A decoder-only transformer over a backend's ops.
+
+    ``forward(tokens, cache)`` runs n new tokens (1 in decode, many in prefill or speculative
+    verification) and returns f32 numpy logits: (1, vocab) for the last token, or (n, vocab).
+    """
+
+    rope_neox = False  # ggml NORM mode: adjacent pairs
+    embed_scale = 1.0
+    activation = "silu"
+
+    def __init__(self, args: ModelArgs, backend, tensors: dict[str, QTensor]):
+        self.args, self.backend = args, backend
+        self._tensors = tensors
+        self.tok_embd = backend.prepare_embedding(self._require("token_embd.weight"))
+        out = tensors.get("output.weight") or tensors["token_embd.weight"]  # tied when absent
+        self.output = backend.prepare(out)
+        self.output_norm = backend.prepare_vector(self._require("output_norm.weight"))
+        freqs = tensors.get("rope_freqs.weight")
+        self.rope_freqs = freqs.dequantize() if freqs is not None else None
+        self.blocks = [self._load_block(i) for i in range(args.n_layers)]
+        del self._tensors
+
+    # -- loading -------------------------------------------------------------------------
+    def _require(self, name: str) -> QTensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise ValueError(f"{self.args.architecture} model file lacks tensor {name!r}") from None
+
+    def _weight(self, name: str) -> Any:
+        return self.backend.prepare(self._require(name))
+
+    def _vector(self, name: str, optional: bool = False) -> Any:
+        if optional and name not in self._tensors:
+            return None
+        return self.backend.prepare_vector(self._require(name))
+
+    def _load_block(self, i: int) -> Block:
+        p = f"blk.{i}."
+        attn = AttentionWeights(
+            wq=self._weight(p + "attn_q.weight"),
+            wk=self._weight(p + "attn_k.weight"),
+            wv=self._weight(p + "attn_v.weight"),
+            wo=self._weight(p + "attn_output.weight"),
+            bq=self._vector(p + "attn_q.bias", optional=True),
+            bk=self._vector(p + "attn_k.bias", optional=True),
+            bv=self._vector(p + "attn_v.bias", optional=True),
+            q_norm=self._vector(p + "attn_q_norm.weight", optional=True),
+            k_norm=self._vector(p + "attn_k_norm.weight", optional=True),
+        )
+        return Block(
+            attn_norm=self._vector(p + "attn_norm.weight"),
+            attn=attn,
+            ffn_norm=self._vector(p + "ffn_norm.weight"),
+            w_gate=self._weight(p + "ffn_gate.weight"),
+            w_up=self._weight(p + "ffn_up.weight"),
+            w_down=self._weight(p + "ffn_down.weight"),
+            post_attn_norm=self._vector(p + "post_attention_norm.weight", optional=True),
+            post_ffn_norm=self._vector(p + "post_ffw_norm.weight", optional=True),
+        )
+
+    # -- per-layer choices (overridden by architectures with local/global layers) --------------
+    def layer_window(self, i: int) -> int:
+        """Sliding-window size of layer i (0 = full attention)."""
+        return self.args.sliding_window
+
+    def layer_rope(self, i: int) -> tuple[float, float]:
+        """(theta, freq_scale) of layer i."""
+        return self.args.rope_theta, 1.0 / self.args.rope_scale
+
+    def attention_scale(self) -> float:
+        return 1.0 / float(np.sqrt(self.args.head_dim))
+
+    def make_cache(self, max_tokens: int, dtype: str = "float32") -> KVCache:
+        """A plain preallocated cache of ``max_tokens`` slots per layer."""
+        a = self.args
+        return KVCache([
+            LayerCache(self.backend, max_tokens, a.n_kv_heads, a.head_dim,
+                       window=self.layer_window(i), dtype=dtype)
+            for i in range(a.n_layers)
+        ])
+
+    # -- forward -------------------------------------------------------------------------
+    def forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Logits for new tokens (n,): (n, vocab) if all_logits else (1, vocab) for the last."""
+        B = self.backend
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        positions = cache.positions(len(tokens))
+        x = B.embed(self.tok_embd, tokens)  # (n, d)
+        if self.embed_scale != 1.0:
+            x = B.scale(x, self.embed_scale)
+        for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers, strict=True)):
+            x = self.block_forward(i, block, x, positions, layer_cache)
+        if not all_logits:
+            x = x[-1:]
+        x = B.rms_norm(x, self.output_norm, self.args.norm_eps)
+        logits = B.matmul(x, self.output)  # (n, vocab)
+        if self.args.final_logit_softcap:
+            logits = B.softcap(logits, self.args.final_logit_softcap)
+        return B.to_numpy(logits)
+
+    def block_forward(self, i: int, block: Block, x, positions: np.ndarray,
+                      layer_cache: LayerCache):
+        B, eps = self.backend, self.args.norm_eps
+        h = self.attention(i, block.attn, B.rms_norm(x, block.attn_norm, eps), positions,
+                           layer_cache)
+        if block.post_attn_norm is not None:
+            h = B.rms_norm(h, block.post_attn_norm, eps)
+        x = x + h
+        h = self.mlp(block, B.rms_norm(x, block.ffn_norm, eps))
+        if block.post_ffn_norm is not None:
+            h = B.rms_norm(h, block.post_ffn_norm, eps)
+        return x + h
+
+    def attention(self, i: int, w: AttentionWeights, x, positions: np.ndarray,
+                  layer_cache: LayerCache):
+        B, a = self.backend, self.args
+        n = x.shape[0]
+        q = B.matmul(x, w.wq, w.bq).reshape(n, a.n_heads, a.head_dim)
+        k = B.matmul(x, w.wk, w.bk).reshape(n, a.n_kv_heads, a.head_dim)
+        v = B.matmul(x, w.wv, w.bv).reshape(n, a.n_kv_heads, a.head_dim)
+        if w.q_norm is not None:
+            q = B.rms_norm(q, w.q_norm, a.norm_eps)
+            k = B.rms_norm(k, w.k_norm, a.norm_eps)
+        theta, freq_scale = self.layer_rope(i)
+        q = B.rope(q, positions, theta, self.rope_neox, self.rope_freqs, freq_scale)
+        k = B.rope(k, positions, theta, self.rope_neox, self.rope_freqs, freq_scale)
+        keys, values, mask = layer_cache.update_and_fetch(k, v)
+        out = B.attention(q, keys, values, mask, self.attention_scale(), a.attn_logit_softcap)
+        return B.matmul(out.reshape(n, a.n_heads * a.head_dim), w.wo)
+
+    def mlp(self, block: Block, x):
+        B = self.backend
+        gate, up = B.matmul(x, block.w_gate), B.matmul(x, block.w_up)
+        act = B.gelu_tanh_mul(gate, up) if self.activation == "gelu_tanh" else B.silu_mul(gate, up)
+        return B.matmul(act, block.w_down)
