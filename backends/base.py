@@ -26,6 +26,9 @@ class Backend(ABC):
 
     name: str = "abstract"
 
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
+
     # -- weights -------------------------------------------------------------------------
     @abstractmethod
     def prepare(self, tensor: QTensor) -> Any:

@@ -1,0 +1,101 @@
+"""What every command shares: model/backend/sampling flags, loading, and error handling."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from edgellm import store
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+class CliError(Exception):
+    """A failure the user can fix; printed as one line."""
+
+
+def run_guarded(fn: Callable[[], int]) -> int:
+    """Run a command; expected failures become `edgellm: error: ...` and exit status 1."""
+    from edgellm.cache import ContextOverflow
+
+    try:
+        return fn()
+    except KeyboardInterrupt:
+        print("\nedgellm: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return 0
+    except (CliError, ValueError, LookupError, FileNotFoundError, IsADirectoryError,
+            PermissionError, ContextOverflow, RuntimeError, OSError) as exc:
+        message = exc.args[0] if isinstance(exc, LookupError) and exc.args else str(exc)
+        print(f"edgellm: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def add_model_args(parser: argparse.ArgumentParser, default_model: bool = True) -> None:
+    """-m/--model, --backend, --threads, --ctx."""
+    parser.add_argument("-m", "--model", default=store.DEFAULT_MODEL if default_model else None,
+                        required=not default_model,
+                        help=f"catalog name or path to a .gguf file (default: {store.DEFAULT_MODEL})")
+    parser.add_argument("--backend", default="auto", help="auto, cpu, numpy, torch, mlx")
+    parser.add_argument("-t", "--threads", type=int, default=None,
+                        help="CPU threads (default: physical cores)")
+    parser.add_argument("-c", "--ctx", type=int, default=None,
+                        help="context size in tokens (KV cache slots; default min(model, 4096))")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    """The SamplingParams flags, named as llama.cpp's tools name them."""
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("-n", "--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from edgellm.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+
+
+def progress_bar(done: int, total: int, what: str) -> None:
+    """A one-line progress bar on stderr."""
+    if not sys.stderr.isatty() and done not in (0, total):
+        return
+    width = 30
+    frac = done / total if total else 1.0
+    bar = "#" * int(frac * width)
+    end = "\n" if done >= total else ""
+    print(f"\r{what:<11} [{bar:<{width}}] {done / 1e6:7.1f}/{total / 1e6:.1f} MB", end=end,
+          file=sys.stderr, flush=True)
+
+
+def ensure_model(name_or_path: str) -> str:
+    """Pull a catalog model on first use (with a progress bar); paths pass through."""
+    if name_or_path in store.CATALOG and not store.is_installed(name_or_path):
+        print(f"edgellm: pulling {name_or_path} (first use)", file=sys.stderr)
+        store.pull(name_or_path, progress=progress_bar)
+    return name_or_path
+
+
+def load_from_args(args: argparse.Namespace):
+    """edgellm.load() with the common flags."""
+    from edgellm.api import load
+
+    return load(ensure_model(args.model), backend=args.backend, threads=args.threads,
+                context_length=args.ctx)

@@ -1,0 +1,40 @@
+"""`edgellm info MODEL`: architecture, sizes, quant mix, context, chat template."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from edgellm import store
+
+from .common import ensure_model
+
+
+def main(argv: list[str], command: str = "info") -> int:
+    p = argparse.ArgumentParser(prog="edgellm info", description=__doc__)
+    p.add_argument("model", nargs="?", default=store.DEFAULT_MODEL,
+                   help="catalog name or path to a .gguf file")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--template", action="store_true", help="print the whole chat template")
+    args = p.parse_args(argv)
+    from edgellm.converters.gguf_reader import read_gguf
+    from edgellm.modelinfo import describe
+
+    info = describe(read_gguf(store.resolve_model(ensure_model(args.model))))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    template = info.pop("chat_template")
+    mix = info.pop("quant_mix")
+    for key, value in info.items():
+        print(f"{key:<24} {value:,}" if isinstance(value, int) else f"{key:<24} {value}")
+    total = sum(mix.values())
+    print("quant mix (by bytes)     " + ", ".join(
+        f"{k} {100 * v / total:.1f}%" for k, v in mix.items()))
+    if template is None:
+        print("chat template            none (ChatML fallback)")
+    elif args.template:
+        print("chat template:\n" + template)
+    else:
+        print(f"chat template            {len(template)} chars (--template to print)")
+    return 0

@@ -1,0 +1,84 @@
+"""The public entry points: ``load()`` and the ``Model`` it returns."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgellm.backends import Backend, get_backend
+from edgellm.cache import KVCache
+from edgellm.chat import Message, render_chat
+from edgellm.config import ModelArgs
+from edgellm.converters.gguf_reader import read_gguf
+from edgellm.models import build_model
+from edgellm.store import resolve_model
+from edgellm.tokenizer import Tokenizer
+
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass
+class Model:
+    """A loaded model: the network over a backend, its tokenizer, and its file's metadata."""
+
+    path: Path
+    metadata: dict[str, Any]
+    args: ModelArgs
+    net: Any  # the architecture's Model (edgellm.models.*)
+    tokenizer: Tokenizer
+    backend: Backend
+    context_length: int  # tokens the default cache holds
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.metadata.get("tokenizer.chat_template")
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("general.name") or self.path.stem)
+
+    def make_cache(self, max_tokens: int | None = None) -> KVCache:
+        """A KV cache of ``max_tokens`` (default: the model's configured context)."""
+        return self.net.make_cache(max_tokens or self.context_length)
+
+    def encode(self, text: str, parse_special: bool = True) -> list[int]:
+        """Prompt text to ids the way llama.cpp's tools do: BOS per the file, specials parsed.
+
+        A BOS already written in the text (chat templates often do) is not added twice.
+        """
+        ids = self.tokenizer.encode(text, parse_special=parse_special)
+        bos = self.tokenizer.bos_id
+        if len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        return ids
+
+    def apply_chat_template(self, messages: Sequence[Message],
+                            add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's chat template (a ChatML fallback if it has none)."""
+        tok = self.tokenizer
+
+        def text_of(token_id: int | None) -> str:
+            return "" if token_id is None else tok.id_to_piece(token_id)
+
+        return render_chat(self.chat_template, messages, bos_token=text_of(tok.bos_id),
+                           eos_token=text_of(tok.eos_id),
+                           add_generation_prompt=add_generation_prompt)
+
+
+def load(model: str | os.PathLike = "qwen2.5-coder-0.5b-instruct", backend: str = "auto",
+         threads: int | None = None, context_length: int | None = None) -> Model:
+    """Load a model by catalog name or ``.gguf`` path onto a backend ("auto" = fastest here).
+
+    ``context_length`` caps the default KV cache (default: the model's own, at most 4096).
+    """
+    path = resolve_model(model)
+    gguf = read_gguf(path)
+    options = {"threads": threads} if threads else {}
+    be = get_backend(backend, **options)
+    net = build_model(gguf.metadata, gguf.tensors, be)
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    ctx = context_length or min(net.args.context_length, DEFAULT_CONTEXT)
+    return Model(path, gguf.metadata, net.args, net, tokenizer, be, ctx)

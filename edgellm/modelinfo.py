@@ -1,0 +1,47 @@
+"""A model file summarised: what `edgellm info` shows and what the API reports up front."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from edgellm.config import ModelArgs
+from edgellm.converters.gguf_reader import GGUFFile
+
+
+def kv_cache_bytes(args: ModelArgs, tokens: int, bytes_per_value: int = 4) -> int:
+    """Bytes of keys and values for ``tokens`` positions in every layer."""
+    return 2 * args.n_layers * tokens * args.n_kv_heads * args.head_dim * bytes_per_value
+
+
+def describe(gguf: GGUFFile) -> dict[str, Any]:
+    """Architecture, sizes, quant mix, context and template of a model file."""
+    md = gguf.metadata
+    args = ModelArgs.from_metadata(md)
+    n_params = sum(t.n_elements for t in gguf.tensors.values())
+    weight_bytes = sum(t.nbytes for t in gguf.tensors.values())
+    mix = Counter()
+    for t in gguf.tensors.values():
+        mix[t.qtype.name] += t.nbytes
+    template = md.get("tokenizer.chat_template")
+    return {
+        "path": str(Path(gguf.path)),
+        "name": md.get("general.name"),
+        "architecture": args.architecture,
+        "file_bytes": gguf.file_size,
+        "parameters": n_params,
+        "weight_bytes": weight_bytes,
+        "bits_per_weight": round(8 * weight_bytes / n_params, 2),
+        "quant_mix": {k: v for k, v in mix.most_common()},
+        "layers": args.n_layers, "d_model": args.d_model, "d_ff": args.d_ff,
+        "heads": args.n_heads, "kv_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "context_length": args.context_length,
+        "sliding_window": args.sliding_window,
+        "rope_theta": args.rope_theta,
+        "tokenizer": md.get("tokenizer.ggml.model"),
+        "chat_template": template,
+        "kv_bytes_per_token_f16": kv_cache_bytes(args, 1, 2),
+        "gguf_version": gguf.version,
+    }

@@ -1,0 +1,529 @@
+"""Tokenizer built from GGUF metadata that reproduces llama.cpp's tokenization exactly.
+
+Two vocabulary kinds are supported, named by ``tokenizer.ggml.model``:
+
+* ``gpt2``: byte-level BPE with ranked merges (Qwen2 and friends). The pre-tokenizer regex is
+  chosen by ``tokenizer.ggml.pre``; HF ``tokenizers`` runs the regex split, the byte-level
+  mapping and the BPE merges, which are the same algorithm llama.cpp uses.
+* ``llama``: SentencePiece-style BPE driven by token scores with ``<0xXX>`` byte fallback
+  (Gemma, Llama 2). llama.cpp merges *any* adjacent pair whose concatenation is a vocab token,
+  best score first, so this is implemented directly with a heap; an HF BPE built from a merge
+  list cannot express "every split of every token is a merge" cheaply.
+
+Before either engine runs, the text is cut at special-token strings the way llama.cpp's
+``tokenizer_st_partition`` does: user-defined tokens are always cut out, control and unknown
+tokens only when ``parse_special`` is set, longest token text first.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from enum import IntEnum
+from typing import Any
+
+SUPPORTED_MODELS = ("gpt2", "llama")
+
+# Byte-level BPE pre-tokenizer regexes by tokenizer.ggml.pre, as used by llama.cpp
+# (LLAMA_VOCAB_PRE_TYPE_QWEN2: the case-insensitive contractions are spelled out).
+_QWEN2_PATTERN = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BPE_PRE_PATTERNS = {
+    "qwen2": _QWEN2_PATTERN,
+    "deepseek-r1-qwen": _QWEN2_PATTERN,
+}
+
+# Token texts llama.cpp treats as end-of-generation (its special_eog_ids list), plus the
+# fill-in-the-middle tokens it also adds to that set.
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+_FIM_EOG_TEXTS = frozenset({
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+    "<|file_sep|>",
+})
+# FIM prefix/suffix/middle markers: llama.cpp forces these to control type (not EOG).
+_FIM_CONTROL_TEXTS = frozenset({
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+    "<|code_prefix|>", "<|prefix|>",
+    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+    "<|code_suffix|>", "<|suffix|>",
+    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+    "<|code_middle|>", "<|middle|>",
+})
+_EOG_ID_KEYS = (
+    "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
+    "tokenizer.ggml.fim_pad_token_id", "tokenizer.ggml.fim_rep_token_id",
+    "tokenizer.ggml.fim_sep_token_id",
+)
+
+_SPM_SPACE = "\u2581"  # "▁", SentencePiece's visible space
+
+
+class TokenType(IntEnum):
+    """GGUF ``tokenizer.ggml.token_type`` values."""
+
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabs."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_DECODER = {ch: b for b, ch in _bytes_to_unicode().items()}
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class _SpmEngine:
+    """llama.cpp's ``llm_tokenizer_spm``: greedy best-score merging with byte fallback."""
+
+    def __init__(self, token_to_id: dict[str, int], scores: Sequence[float], unk_id: int | None):
+        self._token_to_id = token_to_id
+        self._scores = scores
+        # Characters that are not vocab tokens fall back to one <0xXX> token per UTF-8 byte.
+        self._byte_ids = [token_to_id.get(f"<0x{b:02X}>", unk_id) for b in range(256)]
+
+    def encode(self, text: str, out: list[int]) -> None:
+        """Append the ids of one raw-text fragment (spaces not yet escaped) to ``out``."""
+        text = text.replace(" ", _SPM_SPACE)
+        lookup = self._token_to_id.get
+        n = len(text)
+        if n == 0:
+            return
+        scores = self._scores
+        # Symbol i starts at character i; merged symbols keep the start of their left part.
+        length = [1] * n
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        prv = list(range(-1, n - 1))
+        # Heap of (-score, left, right, size): best score first, then the leftmost pair,
+        # which is the order of llama.cpp's priority queue.
+        heap = []
+        for i in range(n - 1):
+            tid = lookup(text[i:i + 2])
+            if tid is not None:
+                heap.append((-scores[tid], i, i + 1, 2))
+        heapq.heapify(heap)
+        pop, push = heapq.heappop, heapq.heappush
+        while heap:
+            _, left, right, size = pop(heap)
+            left_len, right_len = length[left], length[right]
+            # Stale entry: one side has been merged away or grown since it was queued.
+            if left_len == 0 or right_len == 0 or left_len + right_len != size:
+                continue
+            length[left] = size
+            length[right] = 0
+            after = nxt[right]
+            nxt[left] = after
+            if after >= 0:
+                prv[after] = left
+            before = prv[left]
+            if before >= 0:
+                merged = length[before] + size
+                tid = lookup(text[before:before + merged])
+                if tid is not None:
+                    push(heap, (-scores[tid], before, left, merged))
+            if after >= 0:
+                merged = size + length[after]
+                tid = lookup(text[left:left + merged])
+                if tid is not None:
+                    push(heap, (-scores[tid], left, after, merged))
+        i = 0
+        while i >= 0:
+            piece = text[i:i + length[i]]
+            tid = lookup(piece)
+            if tid is not None:
+                out.append(tid)
+            else:
+                # Only single characters can be missing: merges always produce vocab tokens.
+                out.extend(self._byte_ids[b] for b in piece.encode("utf-8", "surrogatepass"))
+            i = nxt[i]
+
+
+class _BpeEngine:
+    """Byte-level BPE (``gpt2`` vocab) on HF ``tokenizers``: regex split, byte map, merges."""
+
+    def __init__(self, tokens: Sequence[str], merges: Sequence[str], pattern: str):
+        from tokenizers import Regex
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import models, pre_tokenizers
+
+        vocab = {text: i for i, text in enumerate(tokens)}
+        pairs = []
+        for merge in merges:
+            # Like llama.cpp, split at the first space after the first character.
+            cut = merge.find(" ", 1)
+            if cut < 0:
+                raise ValueError(f"malformed BPE merge {merge!r} in tokenizer.ggml.merges")
+            pairs.append((merge[:cut], merge[cut + 1:]))
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ])
+        self._hf = hf
+
+    def encode(self, text: str, out: list[int]) -> None:
+        """Append the ids of one raw-text fragment to ``out``."""
+        out.extend(self._hf.encode(text, add_special_tokens=False).ids)
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+class Tokenizer:
+    """Text <-> token ids for a GGUF model, identical to llama.cpp's ``llama_tokenize``."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        tokens: list[str],
+        token_types: list[int],
+        engine: _SpmEngine | _BpeEngine,
+        bos_id: int | None,
+        eos_id: int | None,
+        eos_ids: frozenset[int],
+        add_bos: bool,
+        add_eos: bool,
+        add_space_prefix: bool,
+        control_ids: frozenset[int],
+    ):
+        self.model = model
+        self.vocab_size = len(tokens)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.eos_ids = eos_ids
+        self.add_bos = add_bos
+        self.add_eos = add_eos  # informational: encode() never appends EOS
+        self.add_space_prefix = add_space_prefix
+        self._tokens = tokens
+        self._types = token_types
+        self._engine = engine
+        self._control_ids = control_ids
+        self._piece_cache: dict[int, bytes] = {}
+        self._special_all, self._special_user = self._special_tables()
+
+    # ----------------------------------------------------------------- construction
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
+        """Build the tokenizer from a GGUF metadata dict (``read_gguf(path).metadata``)."""
+        model = metadata.get("tokenizer.ggml.model")
+        if model not in SUPPORTED_MODELS:
+            raise ValueError(
+                f"unsupported tokenizer.ggml.model {model!r}; supported: "
+                + ", ".join(SUPPORTED_MODELS)
+            )
+        tokens = _token_texts(metadata)
+        n = len(tokens)
+        types = _int_list(metadata.get("tokenizer.ggml.token_type"), n, TokenType.NORMAL)
+        token_to_id = {text: i for i, text in enumerate(tokens)}  # later duplicates win
+        eos_ids, control_ids = _eog_ids(metadata, tokens, types, token_to_id)
+
+        if model == "llama":
+            raw_scores = metadata.get("tokenizer.ggml.scores")
+            scores = [0.0] * n if raw_scores is None else [float(s) for s in raw_scores]
+            if len(scores) < n:
+                raise ValueError("tokenizer.ggml.scores is shorter than tokenizer.ggml.tokens")
+            engine: _SpmEngine | _BpeEngine = _SpmEngine(
+                token_to_id, scores, _opt_id(metadata, "tokenizer.ggml.unknown_token_id", n)
+            )
+            add_bos_default, add_space_prefix = True, True
+        else:
+            pre = metadata.get("tokenizer.ggml.pre")
+            if pre not in _BPE_PRE_PATTERNS:
+                raise ValueError(
+                    f"unsupported tokenizer.ggml.pre {pre!r} for gpt2 vocab; supported: "
+                    + ", ".join(sorted(_BPE_PRE_PATTERNS))
+                )
+            merges = metadata.get("tokenizer.ggml.merges")
+            if not merges:
+                raise ValueError("gpt2 tokenizer without tokenizer.ggml.merges")
+            engine = _BpeEngine(tokens, merges, _BPE_PRE_PATTERNS[pre])
+            add_bos_default, add_space_prefix = False, False
+
+        if model == "llama":
+            add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        return cls(
+            model=model,
+            tokens=tokens,
+            token_types=types,
+            engine=engine,
+            bos_id=_opt_id(metadata, "tokenizer.ggml.bos_token_id", n),
+            eos_id=_opt_id(metadata, "tokenizer.ggml.eos_token_id", n),
+            eos_ids=eos_ids,
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            add_space_prefix=add_space_prefix,
+            control_ids=control_ids,
+        )
+
+    def _special_tables(self) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """Special-token strings in llama.cpp's partition order: longest UTF-8 text first.
+
+        Returns (all special tokens, user-defined only): user-defined tokens are cut out of
+        the text even when ``parse_special`` is off; control/unknown ones only when it is on.
+        """
+        specials = []
+        for i, (text, kind) in enumerate(zip(self._tokens, self._types, strict=True)):
+            is_control = kind in (TokenType.CONTROL, TokenType.UNKNOWN) or i in self._control_ids
+            if is_control or kind == TokenType.USER_DEFINED:
+                specials.append((len(text.encode("utf-8")), i, text, is_control))
+        specials.sort(key=lambda s: (-s[0], s[1]))
+        every = [(text, i) for _, i, text, _ in specials]
+        user = [(text, i) for _, i, text, is_control in specials if not is_control]
+        return every, user
+
+    # ----------------------------------------------------------------- encoding
+
+    def encode(
+        self, text: str, add_bos: bool | None = None, parse_special: bool = False
+    ) -> list[int]:
+        """Tokenize ``text``.
+
+        ``add_bos=None`` follows the model's metadata (``tokenizer.ggml.add_bos_token``);
+        ``parse_special=True`` turns special-token text such as ``<|im_start|>`` into that
+        token, otherwise it is tokenized as plain text (user-defined tokens are always cut
+        out, as in llama.cpp).
+        """
+        if add_bos is None:
+            add_bos = self.add_bos
+        out: list[int] = []
+        if add_bos:
+            if self.bos_id is None:
+                raise ValueError("this model has no BOS token (tokenizer.ggml.bos_token_id)")
+            out.append(self.bos_id)
+        prev_special = True  # SPM puts a prefix space on text that follows a special token
+        for fragment in self._partition(text, parse_special):
+            if isinstance(fragment, int):
+                out.append(fragment)
+                prev_special = True
+                continue
+            if self.add_space_prefix and prev_special:
+                fragment = " " + fragment
+            self._engine.encode(fragment, out)
+            prev_special = False
+        return out
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """Cut ``text`` at special-token strings (llama.cpp ``tokenizer_st_partition``).
+
+        Each special token, longest first, claims all its non-overlapping occurrences in the
+        remaining text fragments, left to right.
+        """
+        if not text:
+            return []
+        fragments: list[str | int] = [text]
+        for tok_text, tok_id in self._special_all if parse_special else self._special_user:
+            if tok_text not in text:  # cheap filter: can't be in a fragment if not in the text
+                continue
+            cut: list[str | int] = []
+            for frag in fragments:
+                if isinstance(frag, int) or tok_text not in frag:
+                    cut.append(frag)
+                    continue
+                parts = frag.split(tok_text)
+                for k, part in enumerate(parts):
+                    if k:
+                        cut.append(tok_id)
+                    if part:
+                        cut.append(part)
+            fragments = cut
+        return fragments
+
+    # ----------------------------------------------------------------- decoding
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The token's vocab string as stored in the GGUF (``Ġ``/``▁`` and all)."""
+        return self._tokens[token_id]
+
+    def token_bytes(self, token_id: int, special: bool = False) -> bytes:
+        """The raw bytes ``token_id`` stands for; control tokens give ``b""`` unless ``special``.
+
+        A byte-fallback or byte-level token may be part of a multi-byte UTF-8 character, so
+        the result need not be valid UTF-8 on its own.
+        """
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} out of range [0, {self.vocab_size})")
+        kind = self._types[token_id]
+        if kind in (TokenType.CONTROL, TokenType.UNKNOWN) or token_id in self._control_ids:
+            return self._tokens[token_id].encode("utf-8") if special else b""
+        piece = self._piece_cache.get(token_id)
+        if piece is None:
+            piece = self._piece_bytes(token_id, kind)
+            self._piece_cache[token_id] = piece
+        return piece
+
+    def _piece_bytes(self, token_id: int, kind: int) -> bytes:
+        """Bytes of a non-control token, following llama.cpp's ``token_to_piece``."""
+        text = self._tokens[token_id]
+        if kind == TokenType.USER_DEFINED:
+            return text.encode("utf-8")  # user-defined tokens are literal text in both vocabs
+        if kind == TokenType.NORMAL:
+            if self.model == "llama":
+                return text.replace(_SPM_SPACE, " ").encode("utf-8")
+            try:
+                return bytes(_BYTE_DECODER[ch] for ch in text)
+            except KeyError:  # not byte-level text: llama.cpp would flag it, keep it readable
+                return text.encode("utf-8")
+        if kind == TokenType.BYTE:
+            return bytes([int(text[3:-1], 16)])  # "<0xAB>"
+        return b""  # unused / undefined tokens print nothing, as in llama.cpp
+
+    def decode(self, ids: Iterable[int], special: bool = False) -> str:
+        """Detokenize ``ids``; invalid UTF-8 (e.g. a cut multi-byte character) becomes U+FFFD."""
+        data = b"".join(self.token_bytes(i, special) for i in ids)
+        return self._strip_prefix_space(ids, data).decode("utf-8", errors="replace")
+
+    def _strip_prefix_space(self, ids: Iterable[int], data: bytes) -> bytes:
+        """Undo the SPM prefix space when the text starts a sequence (llama.cpp detokenize)."""
+        if not self.add_space_prefix or not data.startswith(b" "):
+            return data
+        first = next(iter(ids), None)
+        if first is None or first == self.bos_id:
+            return data
+        return data[1:]
+
+    def detokenizer(self, special: bool = False) -> StreamingDetokenizer:
+        """A fresh incremental decoder for streaming generated tokens."""
+        return StreamingDetokenizer(self, special)
+
+
+class StreamingDetokenizer:
+    """Turns a token stream into text without ever emitting half a UTF-8 character.
+
+    Byte-level and byte-fallback tokens can split a character across tokens; the trailing
+    incomplete bytes are held back until the character is complete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, special: bool = False):
+        self._tok = tokenizer
+        self._special = special
+        self._pending = b""
+        self._first = True
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; return the text it completed (possibly "")."""
+        data = self._tok.token_bytes(token_id, self._special)
+        if self._first:
+            data = self._tok._strip_prefix_space([token_id], data)
+            self._first = False
+        buf = self._pending + data
+        cut = _complete_prefix_len(buf)
+        self._pending = buf[cut:]
+        new = buf[:cut].decode("utf-8", errors="replace")
+        self.text += new
+        return new
+
+    def flush(self) -> str:
+        """Emit whatever is still held (an incomplete character decodes to U+FFFD)."""
+        new = self._pending.decode("utf-8", errors="replace")
+        self._pending = b""
+        self.text += new
+        return new
+
+
+def _complete_prefix_len(buf: bytes) -> int:
+    """Length of the longest prefix of ``buf`` that does not end inside a UTF-8 sequence."""
+    n = len(buf)
+    # Look back at most 3 bytes for the lead byte of the last (possibly partial) sequence.
+    for back in range(1, min(4, n) + 1):
+        byte = buf[n - back]
+        if byte & 0xC0 == 0x80:  # continuation byte: keep looking for the lead
+            continue
+        if byte >= 0xF0:
+            need = 4
+        elif byte >= 0xE0:
+            need = 3
+        elif byte >= 0xC0:
+            need = 2
+        else:
+            need = 1
+        return n - back if back < need and byte < 0xF8 else n
+    return n
+
+
+# --------------------------------------------------------------------------- metadata helpers
+
+
+def _token_texts(metadata: dict[str, Any]) -> list[str]:
+    """The vocab strings; empty ones get llama.cpp's placeholder so lookups stay unique."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
+    return [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+
+
+def _int_list(values: Any, n: int, default: int) -> list[int]:
+    """A length-``n`` list of ints from an optional metadata array."""
+    if values is None:
+        return [int(default)] * n
+    out = [int(v) for v in values]
+    if len(out) < n:
+        raise ValueError("tokenizer.ggml.token_type is shorter than tokenizer.ggml.tokens")
+    return out
+
+
+def _opt_id(metadata: dict[str, Any], key: str, n: int) -> int | None:
+    """A token id from metadata, or None when absent or out of range."""
+    value = metadata.get(key)
+    if value is None:
+        return None
+    value = int(value)
+    return value if 0 <= value < n else None
+
+
+def _eog_ids(
+    metadata: dict[str, Any],
+    tokens: list[str],
+    types: list[int],
+    token_to_id: dict[str, int],
+) -> tuple[frozenset[int], frozenset[int]]:
+    """End-of-generation ids the way llama.cpp collects them, and tokens it forces to control.
+
+    llama.cpp marks every token whose text is a known end-of-turn / FIM marker as control
+    even if the GGUF says otherwise, which changes how it is partitioned and printed.
+    """
+    eog: set[int] = set()
+    forced_control: set[int] = set()
+    for text in _EOG_TEXTS | _FIM_EOG_TEXTS | _FIM_CONTROL_TEXTS:
+        tid = token_to_id.get(text)
+        if tid is None:
+            continue
+        if text not in _FIM_CONTROL_TEXTS:
+            eog.add(tid)
+        if types[tid] != TokenType.CONTROL:
+            forced_control.add(tid)
+    for key in _EOG_ID_KEYS:
+        tid = _opt_id(metadata, key, len(tokens))
+        if tid is not None:
+            eog.add(tid)
+    return frozenset(eog), frozenset(forced_control)
