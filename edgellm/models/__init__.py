@@ -25,5 +25,5 @@ def model_class(architecture: str) -> type:
 
 def build_model(metadata: dict, tensors: dict, backend):
     """ModelArgs from the metadata, then the architecture's Model over the backend."""
-    args = ModelArgs.from_metadata(metadata)
-    return model_class(args.architecture)(args, backend, tensors)
+    cls = model_class(str(metadata.get("general.architecture", "")))
+    return cls(ModelArgs.from_metadata(metadata), backend, tensors)
