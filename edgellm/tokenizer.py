@@ -170,9 +170,8 @@ class _BpeEngine:
     """Byte-level BPE (``gpt2`` vocab) on HF ``tokenizers``: regex split, byte map, merges."""
 
     def __init__(self, tokens: Sequence[str], merges: Sequence[str], pattern: str):
-        from tokenizers import Regex
+        from tokenizers import Regex, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import models, pre_tokenizers
 
         vocab = {text: i for i, text in enumerate(tokens)}
         pairs = []
@@ -247,30 +246,13 @@ class Tokenizer:
         token_to_id = {text: i for i, text in enumerate(tokens)}  # later duplicates win
         eos_ids, control_ids = _eog_ids(metadata, tokens, types, token_to_id)
 
+        engine = _build_engine(model, metadata, tokens, token_to_id)
         if model == "llama":
-            raw_scores = metadata.get("tokenizer.ggml.scores")
-            scores = [0.0] * n if raw_scores is None else [float(s) for s in raw_scores]
-            if len(scores) < n:
-                raise ValueError("tokenizer.ggml.scores is shorter than tokenizer.ggml.tokens")
-            engine: _SpmEngine | _BpeEngine = _SpmEngine(
-                token_to_id, scores, _opt_id(metadata, "tokenizer.ggml.unknown_token_id", n)
-            )
-            add_bos_default, add_space_prefix = True, True
-        else:
-            pre = metadata.get("tokenizer.ggml.pre")
-            if pre not in _BPE_PRE_PATTERNS:
-                raise ValueError(
-                    f"unsupported tokenizer.ggml.pre {pre!r} for gpt2 vocab; supported: "
-                    + ", ".join(sorted(_BPE_PRE_PATTERNS))
-                )
-            merges = metadata.get("tokenizer.ggml.merges")
-            if not merges:
-                raise ValueError("gpt2 tokenizer without tokenizer.ggml.merges")
-            engine = _BpeEngine(tokens, merges, _BPE_PRE_PATTERNS[pre])
-            add_bos_default, add_space_prefix = False, False
-
-        if model == "llama":
+            # SPM: BOS and a prefix space by default; Gemma's metadata turns the space off.
+            add_bos_default = True
             add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        else:
+            add_bos_default, add_space_prefix = False, False  # byte-level BPE never prefixes
         return cls(
             model=model,
             tokens=tokens,
@@ -399,17 +381,19 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], special: bool = False) -> str:
         """Detokenize ``ids``; invalid UTF-8 (e.g. a cut multi-byte character) becomes U+FFFD."""
+        ids = list(ids)
         data = b"".join(self.token_bytes(i, special) for i in ids)
         return self._strip_prefix_space(ids, data).decode("utf-8", errors="replace")
 
-    def _strip_prefix_space(self, ids: Iterable[int], data: bytes) -> bytes:
-        """Undo the SPM prefix space when the text starts a sequence (llama.cpp detokenize)."""
-        if not self.add_space_prefix or not data.startswith(b" "):
+    def _strip_prefix_space(self, ids: Sequence[int], data: bytes) -> bytes:
+        """Undo the SPM prefix space when the text starts a sequence (llama.cpp detokenize).
+
+        llama.cpp strips one leading space from the first piece when ``add_space_prefix`` is
+        set, unless the sequence starts with BOS (whose empty piece absorbs the stripping).
+        """
+        if not self.add_space_prefix or not ids or ids[0] == self.bos_id:
             return data
-        first = next(iter(ids), None)
-        if first is None or first == self.bos_id:
-            return data
-        return data[1:]
+        return data[1:] if data.startswith(b" ") else data
 
     def detokenizer(self, special: bool = False) -> StreamingDetokenizer:
         """A fresh incremental decoder for streaming generated tokens."""
@@ -527,3 +511,27 @@ def _eog_ids(
         if tid is not None:
             eog.add(tid)
     return frozenset(eog), frozenset(forced_control)
+
+
+def _build_engine(
+    model: str, metadata: dict[str, Any], tokens: list[str], token_to_id: dict[str, int]
+) -> _SpmEngine | _BpeEngine:
+    """The subword engine for ``model`` ("llama" -> SPM, "gpt2" -> byte-level BPE)."""
+    n = len(tokens)
+    if model == "llama":
+        raw_scores = metadata.get("tokenizer.ggml.scores")
+        scores = [0.0] * n if raw_scores is None else [float(s) for s in raw_scores]
+        if len(scores) < n:
+            raise ValueError("tokenizer.ggml.scores is shorter than tokenizer.ggml.tokens")
+        unk_id = _opt_id(metadata, "tokenizer.ggml.unknown_token_id", n)
+        return _SpmEngine(token_to_id, scores, unk_id)
+    pre = metadata.get("tokenizer.ggml.pre")
+    if pre not in _BPE_PRE_PATTERNS:
+        raise ValueError(
+            f"unsupported tokenizer.ggml.pre {pre!r} for a gpt2 vocab; supported: "
+            + ", ".join(sorted(_BPE_PRE_PATTERNS))
+        )
+    merges = metadata.get("tokenizer.ggml.merges")
+    if not merges:
+        raise ValueError("gpt2 tokenizer without tokenizer.ggml.merges")
+    return _BpeEngine(tokens, merges, _BPE_PRE_PATTERNS[pre])
