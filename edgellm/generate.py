@@ -7,12 +7,19 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from edgellm.cache import ContextOverflow, KVCache
-from edgellm.sampling import SamplingParams, logits_processor, make_sampler
+from edgellm.sampling import SamplingParams, logits_processor, make_sampler, probabilities
+from edgellm.speculative import (
+    Drafter,
+    DraftLengthController,
+    SpeculativeStats,
+    make_drafter,
+    verify,
+)
 
 if TYPE_CHECKING:
     from edgellm.api import Model
@@ -42,6 +49,84 @@ def generate_step(
         yield token, logits
         context.append(token)
         logits = net.forward(np.asarray([token]), cache)[-1]
+
+
+class SpeculativeToken(NamedTuple):
+    """One token of ``speculative_generate_step``: generate_step's pair plus its origin."""
+
+    token: int
+    logits: np.ndarray  # (vocab,) the target's processed logits at this position
+    from_draft: bool  # proposed by the drafter and accepted (False: the target's own token)
+
+
+def speculative_generate_step(
+    prompt: Sequence[int],
+    net,
+    cache: KVCache,
+    params: SamplingParams,
+    history: Sequence[int] = (),
+    *,
+    drafter: Drafter,
+    controller: DraftLengthController | None = None,
+    stats: SpeculativeStats | None = None,
+) -> Iterator[SpeculativeToken]:
+    """``generate_step`` with drafted tokens verified k at a time in one target pass.
+
+    Same contract as ``generate_step`` (yields for ever; the output is the target's: identical
+    tokens at temperature 0, the same distribution when sampling). ``drafter`` proposes tokens
+    (``edgellm.speculative.make_drafter``); ``controller`` picks how many per round (adaptive
+    by default); ``stats`` is updated in place. When the consumer stops, the caches are rolled
+    back so that, as with generate_step, they hold the context before the last yielded token.
+    """
+    if len(prompt) == 0:
+        raise ValueError("empty prompt: give at least one token")
+    process = logits_processor(params)
+    rng = np.random.default_rng(params.seed)
+    controller = controller or DraftLengthController()
+    stats = stats if stats is not None else SpeculativeStats()
+    context = list(history) + list(prompt)
+    shift = cache.offset - len(history)  # cache slots before context[0] (normally 0)
+    try:
+        logits = process(net.forward(np.asarray(prompt), cache)[-1], context)
+        token = int(np.argmax(logits)) if params.greedy else int(
+            rng.choice(len(logits), p=probabilities(logits, params)))
+        context.append(token)
+        stats.tokens += 1
+        yield SpeculativeToken(token, logits, False)
+        drafter.prefill(context)
+        while True:
+            k = controller.next_length()
+            room = cache.max_tokens - cache.offset  # a plain cache refuses past max_tokens
+            if room > 0:  # keep the round below the last slot, so "context" ends as plain
+                k = max(0, min(k, room - 2))
+            drafted_before = drafter.seconds
+            draft = drafter.propose(context, k, params, process, rng)
+            draft_seconds = drafter.seconds - drafted_before
+            feed = [context[-1], *draft.tokens]  # (k+1,): the last token, then the draft
+            start = time.perf_counter()
+            target_logits = net.forward(np.asarray(feed), cache, all_logits=True)  # (k+1, V)
+            target_seconds = time.perf_counter() - start
+            tokens, token_logits = verify(draft, target_logits, context, params, process, rng)
+            accepted = len(tokens) - 1
+            cache.trim(len(draft.tokens) - accepted)  # drop the rejected drafts' slots
+            drafter.accept(len(context) + accepted)
+            controller.record(len(draft.tokens), accepted, draft_seconds, len(feed),
+                              target_seconds)
+            stats.target_passes += 1
+            stats.draft_lengths.append(len(draft.tokens))
+            if draft.tokens:
+                stats.rounds += 1
+                stats.drafted += len(draft.tokens)
+            for i, (token, logits) in enumerate(zip(tokens, token_logits, strict=True)):
+                context.append(token)
+                stats.tokens += 1
+                stats.accepted += i < accepted  # counted as emitted: the consumer may stop
+                yield SpeculativeToken(token, logits, i < accepted)
+    finally:  # the consumer stopped (or an error): the cache holds context[:-1], as plain
+        keep = shift + len(context) - 1
+        if cache.offset > keep:
+            cache.trim(cache.offset - keep)
+        drafter.close(len(context) - 1)
 
 
 @dataclass
@@ -100,11 +185,16 @@ def stream_generate(
     params: SamplingParams | None = None,
     cache: KVCache | None = None,
     history: Sequence[int] = (),
+    draft: Model | str | Drafter | None = None,
+    draft_n: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Stream a reply to ``prompt`` (text, tokenized with special tokens parsed, or ids).
 
     With ``cache`` given, the prompt is appended to what it holds (prompt caching across chat
     turns); otherwise a fresh cache is made. The last response has a ``finish_reason``.
+    ``draft`` (a smaller Model of the same vocabulary, "ngram", or a Drafter) turns on
+    speculative decoding: same output, and ``extra["speculative"]`` carries its statistics;
+    ``draft_n`` pins the draft length (default: adaptive).
     """
     params = params or SamplingParams()
     ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -121,7 +211,15 @@ def stream_generate(
     first_at = start
     n = 0
     finish = None
-    steps = generate_step(ids, model.net, cache, params, history)
+    spec_stats = SpeculativeStats() if draft is not None else None
+    if draft is not None:
+        drafter = make_drafter(model, draft, [*history, *ids], cache.max_tokens)
+        steps = speculative_generate_step(ids, model.net, cache, params, history, drafter=drafter,
+                                          controller=DraftLengthController(fixed=draft_n),
+                                          stats=spec_stats)
+    else:
+        steps = generate_step(ids, model.net, cache, params, history)
+    from_draft = False
 
     def response(text: str, token: int | None, reason: str | None) -> GenerationResponse:
         now = time.perf_counter()
@@ -131,6 +229,8 @@ def stream_generate(
             prompt_tps=len(ids) / max(first_at - start, 1e-9),
             generation_tps=(n - 1) / gen_time if n > 1 and gen_time > 0 else 0.0,
             ttft_s=first_at - start,
+            extra={} if spec_stats is None else {"speculative": spec_stats.as_dict(),
+                                                 "from_draft": from_draft},
         )
 
     if params.max_tokens == 0:
@@ -138,10 +238,11 @@ def stream_generate(
         return
     while finish is None:
         try:
-            token, _ = next(steps)
+            step = next(steps)
         except ContextOverflow:
             yield response(stops.flush() + detok.flush(), None, "context")
             return
+        token, from_draft = step[0], len(step) > 2 and step[2]
         n += 1
         if n == 1:
             first_at = time.perf_counter()

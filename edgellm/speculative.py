@@ -1,0 +1,424 @@
+"""Speculative decoding: drafters, the draft-length controller, and exact verification.
+
+A drafter proposes k tokens after the context; the target scores all of them in one forward
+pass; ``verify`` keeps the longest prefix the target agrees with, plus one token of its own.
+
+Exactness (Leviathan et al. 2023, Chen et al. 2023): drafted token d with draft probability
+q(d) is accepted with probability min(1, p(d) / q(d)); on rejection the replacement is drawn
+from max(0, p - q), renormalised. The emitted tokens then follow the target's distribution p
+whatever the draft does, so a cheaper, cruder draft (a cut-down output head, an n-gram lookup)
+changes only speed. At temperature 0, p and q are one-hot and this is "accept while the draft
+token is the target's argmax".
+
+Pieces:
+- ``ModelDrafter``: a smaller model of the same vocabulary, optionally with its output matrix
+  cut to the token ids that matter (``draft_vocabulary``), which makes a draft step cheaper.
+- ``NgramDrafter``: prompt lookup: continue the latest earlier occurrence of the context's tail.
+- ``DraftLengthController``: picks k each round from measured costs and acceptance (or a fixed k).
+- ``SpeculativeStats``: drafted, accepted, acceptance rate, mean accepted length, tokens per pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from edgellm.cache import ContextOverflow, KVCache
+from edgellm.sampling import SamplingParams, probabilities
+
+if TYPE_CHECKING:
+    from edgellm.api import Model
+
+Processor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
+
+#: Draft vocabulary default: the first ids of a BPE vocab are its earliest (most frequent)
+#: merges; the prompt's own ids and the control tokens are added on top.
+DEFAULT_DRAFT_VOCAB = 32768
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class SpeculativeStats:
+    """Running counts of one speculative generation."""
+
+    drafted: int = 0  # tokens proposed by the drafter
+    accepted: int = 0  # of those, accepted by the target
+    rounds: int = 0  # verification rounds that had at least one drafted token
+    target_passes: int = 0  # target forward passes after the prompt
+    tokens: int = 0  # tokens emitted
+    draft_lengths: list[int] = field(default_factory=list)  # k of each round (0 = plain step)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted drafted tokens per round that drafted."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        return self.tokens / self.target_passes if self.target_passes else 0.0
+
+    def as_dict(self) -> dict:
+        lengths = self.draft_lengths
+        return {
+            "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 3),
+            "tokens_per_target_pass": round(self.tokens_per_target_pass, 3),
+            "target_passes": self.target_passes, "rounds": self.rounds,
+            "mean_draft_length": round(sum(lengths) / len(lengths), 3) if lengths else 0.0,
+        }
+
+
+# ------------------------------------------------------------------------------ drafters
+
+
+@dataclass
+class Draft:
+    """k proposed tokens and, per token, the draft distribution q it was drawn from.
+
+    ``q[i]`` is (vocab,) f64, or None when the proposal was deterministic (q one-hot).
+    """
+
+    tokens: list[int]
+    q: list[np.ndarray | None]
+
+
+class Drafter(Protocol):
+    """Proposes tokens after ``context``; told afterwards how much of its proposal survived."""
+
+    seconds: float  # time spent proposing so far (the controller measures draft cost with it)
+
+    def prefill(self, context: Sequence[int]) -> None:
+        """Take in the context up front (outside the per-token cost measurements)."""
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams,
+                process: Processor, rng: np.random.Generator) -> Draft: ...
+
+    def accept(self, context_len: int) -> None:
+        """Verification done: the first ``context_len`` tokens of the context are final."""
+
+    def close(self, context_len: int) -> None:
+        """Generation ends with ``context_len`` tokens final (the rest may be rolled back)."""
+
+
+def check_same_vocabulary(target: Model, draft: Model) -> None:
+    """Refuse a draft whose tokenizer differs from the target's (padding rows are allowed)."""
+    t_tokens = target.metadata.get("tokenizer.ggml.tokens") or []
+    d_tokens = draft.metadata.get("tokenizer.ggml.tokens") or []
+    n = min(len(t_tokens), len(d_tokens))
+    mismatch = next((i for i in range(n) if t_tokens[i] != d_tokens[i]), None)
+    extra = list(t_tokens[n:]) + list(d_tokens[n:])
+    padding = all(str(t).startswith(("[PAD", "<pad", "<|PAD", "<unused")) for t in extra)
+    if mismatch is not None or not padding:
+        where = (f"token {mismatch} is {t_tokens[mismatch]!r} in the target but "
+                 f"{d_tokens[mismatch]!r} in the draft" if mismatch is not None
+                 else f"vocab sizes {len(t_tokens)} and {len(d_tokens)} differ by real tokens")
+        raise ValueError(f"draft model {draft.name!r} does not share the tokenizer of "
+                         f"{target.name!r} ({where}); pick a draft from the same model family")
+
+
+def draft_vocabulary(model: Model, prompt: Sequence[int], size: int = DEFAULT_DRAFT_VOCAB
+                     ) -> np.ndarray:
+    """Token ids (sorted, unique) for a cut-down draft head: the first ``size`` ids of the vocab
+    (a BPE vocab's earliest merges are its most frequent), the prompt's ids, the control ids."""
+    vocab = model.args.vocab_size
+    tok = model.tokenizer
+    extra = [*prompt, *tok.eos_ids, *(i for i in (tok.bos_id, tok.eos_id) if i is not None)]
+    ids = np.concatenate([np.arange(min(size, vocab)), np.asarray(extra, dtype=np.int64)])
+    return np.unique(ids[(ids >= 0) & (ids < vocab)])
+
+
+def restrict_head(model: Model, ids: np.ndarray):
+    """A shallow copy of ``model.net`` whose output matrix keeps only rows ``ids`` (m,).
+
+    Its forward returns (n, m) logits; blocks and weights are shared with ``model.net``.
+    Returns None when the network has no ``output`` weight to cut.
+    """
+    from edgellm.converters.gguf_reader import QTensor, read_gguf
+
+    net = model.net
+    if not hasattr(net, "output"):
+        return None
+    tensors = read_gguf(model.path).tensors
+    full = tensors.get("output.weight") or tensors["token_embd.weight"]  # tied when absent
+    rows = np.ascontiguousarray(full.data[ids])  # (m, row_bytes): same encoding, fewer rows
+    cut = copy.copy(net)
+    cut.output = net.backend.prepare(QTensor(full.name, full.qtype, (len(ids), full.shape[1]),
+                                             rows))
+    return cut
+
+
+class ModelDrafter:
+    """Draft with a smaller model of the same vocabulary, one token per forward pass.
+
+    Its cache holds a prefix of the context (``fed`` tokens); each proposal first feeds the
+    missing tail in one pass, so plain steps taken while drafting is off cost nothing here.
+    """
+
+    def __init__(self, net, cache: KVCache, vocab_size: int, head_ids: np.ndarray | None = None):
+        self.net, self.cache = net, cache
+        self.vocab_size = vocab_size  # the target's: draft logits are mapped onto it
+        self.head_ids = head_ids  # (m,) ids of a cut-down head, or None for the full head
+        self.fed = cache.offset  # the cache holds context[:fed]
+        self.seconds = 0.0  # time spent in the draft model (the controller reads it)
+        self.broken = False  # set when the draft cache is full: drafting stops
+
+    def prefill(self, context: Sequence[int]) -> None:
+        pending = list(context[self.fed:len(context) - 1])  # the last is fed by propose()
+        if pending and not self.broken:
+            try:
+                self.net.forward(np.asarray(pending), self.cache)
+                self.fed += len(pending)
+            except ContextOverflow:
+                self.broken = True
+
+    def _logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Draft logits (vocab,) over the target's vocabulary after feeding ``tokens``."""
+        out = self.net.forward(np.asarray(tokens), self.cache)[-1]
+        full = np.full(self.vocab_size, -np.inf, dtype=np.float32)
+        if self.head_ids is not None:
+            full[self.head_ids] = out
+        else:
+            n = min(len(out), self.vocab_size)  # vocab sizes may differ by padding
+            full[:n] = out[:n]
+        return full
+
+    def propose(self, context, k, params, process, rng) -> Draft:
+        if self.broken or k == 0:
+            return Draft([], [])
+        start = time.perf_counter()
+        context = list(context)
+        tokens, qs = [], []
+        pending = context[self.fed:]
+        try:
+            for _ in range(k):
+                logits = process(self._logits(pending), context)
+                self.fed += len(pending)
+                if params.greedy:
+                    token, q = int(np.argmax(logits)), None
+                else:
+                    q = probabilities(logits, params)
+                    token = int(rng.choice(len(q), p=q))
+                tokens.append(token)
+                qs.append(q)
+                context.append(token)
+                pending = [token]
+        except ContextOverflow:
+            self.broken = True
+        self.seconds += time.perf_counter() - start
+        return Draft(tokens, qs)
+
+    def accept(self, context_len: int) -> None:
+        if self.fed > context_len:
+            self.cache.trim(self.fed - context_len)
+            self.fed = context_len
+
+    def close(self, context_len: int) -> None:
+        self.accept(context_len)
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens
+    (n from ``max_n`` down to ``min_n``) and propose what followed it. No model, q one-hot."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+        self.seconds = 0.0
+
+    def propose(self, context, k, params, process, rng) -> Draft:
+        if k == 0:
+            return Draft([], [])
+        start = time.perf_counter()
+        tokens = self.lookup(list(context), k)
+        self.seconds += time.perf_counter() - start
+        return Draft(tokens, [None] * len(tokens))
+
+    def prefill(self, context: Sequence[int]) -> None:
+        pass
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        arr = np.asarray(context, dtype=np.int64)  # (T,)
+        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
+            tail = arr[-n:]
+            # windows (T-n, n) over all earlier positions; the last one is the tail itself
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return [int(t) for t in arr[start:start + k]]
+        return []
+
+    def accept(self, context_len: int) -> None:
+        pass
+
+    def close(self, context_len: int) -> None:
+        pass
+
+
+def make_drafter(target: Model, draft: Model | str | Drafter, prompt: Sequence[int],
+                 max_tokens: int, head_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> Drafter:
+    """A drafter from a draft ``Model``, "ngram" (prompt lookup), or an existing ``Drafter``.
+
+    A model draft gets its own cache of ``max_tokens`` and, when ``head_vocab`` is set, an
+    output head cut to ``draft_vocabulary(..., head_vocab)`` (exactness does not depend on it).
+    """
+    if isinstance(draft, str):
+        if draft != "ngram":
+            raise ValueError(f"draft {draft!r}: pass a loaded Model (edgellm.load(...)) or 'ngram'")
+        return NgramDrafter()
+    if not hasattr(draft, "net"):
+        return draft  # already a Drafter
+    check_same_vocabulary(target, draft)
+    vocab = target.args.vocab_size
+    net, ids = draft.net, None
+    if head_vocab:
+        ids = draft_vocabulary(draft, prompt, head_vocab)
+        ids = ids[ids < vocab]
+        cut = restrict_head(draft, ids) if len(ids) < draft.args.vocab_size else None
+        net, ids = (cut, ids) if cut is not None else (draft.net, None)
+    return ModelDrafter(net, draft.make_cache(max_tokens), vocab, ids)
+
+
+# ---------------------------------------------------------------------------- controller
+
+
+class DraftLengthController:
+    """Chooses the draft length k of each round.
+
+    Pinned (``fixed``) or adaptive: from the measured acceptance rate a (an exponential
+    average over drafted tokens), the draft's cost per token c and the target's cost T(n) of a
+    pass over n tokens (a least-squares line over recent passes), a round with k drafted tokens
+    yields (1 - a^(k+1)) / (1 - a) tokens for k*c + T(k+1) seconds; k = 0 is a plain step,
+    1 token for T(1). It picks the k with the best tokens per second. While k = 0 wins it
+    probes with a short draft every ``probe_every`` steps so a rising acceptance is noticed.
+    """
+
+    def __init__(self, fixed: int | None = None, max_k: int = 8, initial_k: int = 3,
+                 acceptance_prior: float = 0.7, draft_cost_prior: float = 0.35,
+                 smoothing: float = 0.1, probe_every: int = 16):
+        if fixed is not None and fixed < 0:
+            raise ValueError(f"draft length must be >= 0, got {fixed}")
+        self.fixed, self.max_k, self.initial_k = fixed, max_k, initial_k
+        self.acceptance = acceptance_prior
+        self.draft_cost_prior = draft_cost_prior  # c / T(1) before anything is measured
+        self.draft_cost: float | None = None  # seconds per drafted token
+        self.smoothing = smoothing
+        self.probe_every = probe_every
+        self.passes: deque[tuple[int, float]] = deque(maxlen=48)  # (tokens, seconds)
+        self.plain_steps = 0
+
+    def next_length(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if len(self.passes) < 2:
+            return self.initial_k
+        k = self.best_length()
+        if k == 0:
+            self.plain_steps += 1
+            if self.plain_steps >= self.probe_every:
+                self.plain_steps = 0
+                return 2
+        else:
+            self.plain_steps = 0
+        return k
+
+    def target_cost(self, n: int) -> float:
+        """Estimated seconds of a target pass over n tokens."""
+        ns = np.array([p[0] for p in self.passes], dtype=np.float64)
+        ts = np.array([p[1] for p in self.passes], dtype=np.float64)
+        if len(set(ns.tolist())) < 2:  # one size seen: assume +8% per extra token
+            base = float(ts.mean()) / (1 + 0.08 * (float(ns.mean()) - 1))
+            return base * (1 + 0.08 * (n - 1))
+        slope, intercept = np.polyfit(ns, ts, 1)
+        return max(float(intercept + slope * n), 1e-6)
+
+    def best_length(self) -> int:
+        t1 = self.target_cost(1)
+        c = self.draft_cost if self.draft_cost is not None else self.draft_cost_prior * t1
+        a = min(self.acceptance, 0.999)
+        best_k, best_rate = 0, 1.0 / t1
+        for k in range(1, self.max_k + 1):
+            expected = (1 - a ** (k + 1)) / (1 - a)
+            rate = expected / (k * c + self.target_cost(k + 1))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def record(self, drafted: int, accepted: int, draft_seconds: float, target_tokens: int,
+               target_seconds: float) -> None:
+        """Measurements of one round: k drafted, j accepted, and what each side cost."""
+        self.passes.append((target_tokens, target_seconds))
+        if drafted == 0:
+            return
+        s = self.smoothing
+        # every drafted token up to and including the first rejection is an observation
+        for ok in [True] * accepted + [False] * (accepted < drafted):
+            self.acceptance += s * ((1.0 if ok else 0.0) - self.acceptance)
+        per_token = draft_seconds / drafted
+        self.draft_cost = per_token if self.draft_cost is None else (
+            self.draft_cost + s * (per_token - self.draft_cost))
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def verify(draft: Draft, target_logits: np.ndarray, context: Sequence[int],
+           params: SamplingParams, process: Processor, rng: np.random.Generator
+           ) -> tuple[list[int], list[np.ndarray]]:
+    """Accept a prefix of ``draft`` against the target and add one token of the target's own.
+
+    ``target_logits`` (k+1, vocab) are the raw target logits after context, context + d1, ...,
+    context + d1..dk. Returns the emitted tokens (j accepted drafts + 1 more, so 1..k+1) and
+    their processed target logits.
+    """
+    context = list(context)
+    out_tokens: list[int] = []
+    out_logits: list[np.ndarray] = []
+    for i in range(len(target_logits)):
+        logits = process(target_logits[i], context)
+        out_logits.append(logits)
+        drafted = draft.tokens[i] if i < len(draft.tokens) else None
+        if params.greedy:
+            best = int(np.argmax(logits))
+            out_tokens.append(best)
+            if best != drafted:
+                break
+        else:
+            p = probabilities(logits, params)
+            if drafted is None:  # past the draft: the bonus token, straight from p
+                out_tokens.append(int(rng.choice(len(p), p=p)))
+                break
+            q = draft.q[i]
+            q_d = 1.0 if q is None else q[drafted]
+            if rng.random() < min(1.0, p[drafted] / q_d):  # q_d > 0: d was drawn from q
+                out_tokens.append(drafted)
+            else:
+                out_tokens.append(resample(p, q, drafted, rng))
+                break
+        context.append(out_tokens[-1])
+    return out_tokens, out_logits
+
+
+def resample(p: np.ndarray, q: np.ndarray | None, drafted: int, rng: np.random.Generator) -> int:
+    """A draw from max(0, p - q), renormalised (q None: one-hot at ``drafted``)."""
+    if q is None:
+        residual = p.copy()
+        residual[drafted] = 0.0
+    else:
+        residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    if total <= 0:  # p == q: rejection had probability 0; fall back to p
+        residual, total = p, p.sum()
+    return int(rng.choice(len(residual), p=residual / total))
