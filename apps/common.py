@@ -99,3 +99,37 @@ def load_from_args(args: argparse.Namespace):
 
     return load(ensure_model(args.model), backend=args.backend, threads=args.threads,
                 context_length=args.ctx)
+
+
+def add_draft_args(parser: argparse.ArgumentParser) -> None:
+    """--draft MODEL|ngram and --draft-n N: speculative decoding (same output, faster)."""
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--draft", default=None, metavar="MODEL",
+                   help="draft model with the target's tokenizer (catalog name or .gguf), or "
+                        "'ngram' for prompt lookup; the output stays the target's")
+    g.add_argument("--draft-n", type=int, default=None, metavar="N",
+                   help="pin the draft length (default: adaptive from measured costs and "
+                        "acceptance, down to off while drafting does not pay)")
+
+
+def load_draft_from_args(args: argparse.Namespace, target):
+    """The draft the --draft flags name: None, "ngram", or a model on the target's backend."""
+    if not getattr(args, "draft", None):
+        return None
+    if args.draft == "ngram":
+        return "ngram"
+    from edgellm.api import load
+    from edgellm.speculative import check_same_vocabulary
+
+    draft = load(ensure_model(args.draft), backend=args.backend, threads=args.threads,
+                 context_length=target.context_length)
+    check_same_vocabulary(target, draft)
+    return draft
+
+
+def speculative_summary(stats: dict) -> str:
+    """One line of speculative statistics (``extra["speculative"]``) for stderr."""
+    return (f"draft: {stats['drafted']} drafted, {stats['accepted']} accepted "
+            f"({stats['acceptance_rate']:.1%}), mean accepted length "
+            f"{stats['mean_accepted_length']:.2f}, {stats['tokens_per_target_pass']:.2f} "
+            f"tokens per target pass")

@@ -6,7 +6,15 @@ import argparse
 import json
 import sys
 
-from .common import add_model_args, add_sampling_args, load_from_args, sampling_from_args
+from .common import (
+    add_draft_args,
+    add_model_args,
+    add_sampling_args,
+    load_draft_from_args,
+    load_from_args,
+    sampling_from_args,
+    speculative_summary,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (ids, text, finish_reason, timings)")
     add_sampling_args(p)
+    add_draft_args(p)
     return p
 
 
@@ -28,6 +37,7 @@ def main(argv: list[str], command: str = "generate") -> int:
     from edgellm.generate import stream_generate
 
     model = load_from_args(args)
+    draft = load_draft_from_args(args, model)
     prompt = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -38,7 +48,7 @@ def main(argv: list[str], command: str = "generate") -> int:
     out_ids: list[int] = []
     pieces: list[str] = []
     last = None
-    for r in stream_generate(model, prompt_ids, params):
+    for r in stream_generate(model, prompt_ids, params, draft=draft, draft_n=args.draft_n):
         ended_by_eos = r.finish_reason == "stop" and r.token in model.tokenizer.eos_ids
         if r.token is not None and not ended_by_eos:
             out_ids.append(r.token)
@@ -58,10 +68,14 @@ def main(argv: list[str], command: str = "generate") -> int:
                 "generation_tps": round(last.generation_tps, 2),
             },
         }
+        if "speculative" in last.extra:
+            record["speculative"] = last.extra["speculative"]
         print(json.dumps(record, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         print(f"[{last.finish_reason}] prompt {len(prompt_ids)} tok @ {last.prompt_tps:.1f} t/s, "
               f"generated {last.generation_tokens} tok @ {last.generation_tps:.1f} t/s, "
               f"ttft {last.ttft_s:.2f}s", file=sys.stderr)
+        if "speculative" in last.extra:
+            print(speculative_summary(last.extra["speculative"]), file=sys.stderr)
     return 0
