@@ -12,6 +12,7 @@ import sys
 
 # command -> (module under edgellm.apps, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "chat": ("chat", "chat with a model in the terminal (streaming REPL)"),
     "generate": ("generate", "generate text from a prompt (streams to stdout)"),
     "tokenize": ("tokenize", "show the token ids and pieces of a text"),
     "info": ("info", "describe a model file: architecture, sizes, quant mix, template"),
