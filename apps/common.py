@@ -35,7 +35,8 @@ def run_guarded(fn: Callable[[], int]) -> int:
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_model: bool = True) -> None:
-    """-m/--model, --backend, --threads, --ctx."""
+    """-m/--model, --backend, --threads, and the KV cache: --ctx, --kv-budget, --kv-dtype,
+    --policy, --keep."""
     parser.add_argument("-m", "--model", default=store.DEFAULT_MODEL if default_model else None,
                         required=not default_model,
                         help=f"catalog name or path to a .gguf file (default: {store.DEFAULT_MODEL})")
@@ -44,6 +45,37 @@ def add_model_args(parser: argparse.ArgumentParser, default_model: bool = True) 
                         help="CPU threads (default: physical cores)")
     parser.add_argument("-c", "--ctx", type=int, default=None,
                         help="context size in tokens (KV cache slots; default min(model, 4096))")
+    add_cache_args(parser)
+
+
+KV_DTYPE_NAMES = {"f16": "float16", "float16": "float16", "f32": "float32",
+                  "float32": "float32", "q8_0": "q8_0"}
+
+
+def add_cache_args(parser: argparse.ArgumentParser) -> None:
+    """The KV cache's budget and overflow policy (with --ctx): the same flags everywhere."""
+    g = parser.add_argument_group("KV cache")
+    g.add_argument("--kv-budget", default=None, metavar="BYTES",
+                   help="cache budget in bytes, e.g. 256MB or 1GiB (context = tokens that fit)")
+    g.add_argument("--kv-dtype", default="f16", choices=sorted(KV_DTYPE_NAMES),
+                   help="cache storage type (default f16)")
+    g.add_argument("--policy", default="error", choices=["error", "rotate", "truncate-turns"],
+                   help="when the context is full: error (refuse), rotate (keep the first "
+                        "--keep tokens and the most recent), truncate-turns (chat: drop the "
+                        "oldest turns)")
+    g.add_argument("--keep", type=int, default=4,
+                   help="tokens kept at the start when rotating (attention sinks; default 4)")
+
+
+def cache_config_from_args(args: argparse.Namespace):
+    """The CacheConfig the cache flags describe."""
+    from edgellm.cache import CacheConfig, parse_bytes
+
+    budget = getattr(args, "kv_budget", None)
+    return CacheConfig(max_tokens=args.ctx,
+                       max_bytes=parse_bytes(budget) if budget else None,
+                       dtype=KV_DTYPE_NAMES[getattr(args, "kv_dtype", "f16")],
+                       policy=getattr(args, "policy", "error"), keep=getattr(args, "keep", 4))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -98,7 +130,7 @@ def load_from_args(args: argparse.Namespace):
     from edgellm.api import load
 
     return load(ensure_model(args.model), backend=args.backend, threads=args.threads,
-                context_length=args.ctx)
+                context_length=args.ctx, cache=cache_config_from_args(args))
 
 
 def add_draft_args(parser: argparse.ArgumentParser) -> None:

@@ -48,7 +48,13 @@ def main(argv: list[str], command: str = "generate") -> int:
     out_ids: list[int] = []
     pieces: list[str] = []
     last = None
+    rotated = False
     for r in stream_generate(model, prompt_ids, params, draft=draft, draft_n=args.draft_n):
+        if "context" in r.extra and not rotated:  # the KV budget is full: say so, once
+            rotated = True
+            c = r.extra["context"]
+            print(f"\n[context full at {c['budget']} tokens: rotating, keeping the first "
+                  f"{c['keep']} and the most recent]", file=sys.stderr, flush=True)
         ended_by_eos = r.finish_reason == "stop" and r.token in model.tokenizer.eos_ids
         if r.token is not None and not ended_by_eos:
             out_ids.append(r.token)

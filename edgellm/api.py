@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from edgellm.backends import Backend, get_backend
-from edgellm.cache import KVCache
+from edgellm.cache import CacheConfig, CachePlan, KVCache, plan_cache
 from edgellm.chat import Message, render_chat
 from edgellm.config import ModelArgs
 from edgellm.converters.gguf_reader import read_gguf
@@ -31,6 +31,7 @@ class Model:
     tokenizer: Tokenizer
     backend: Backend
     context_length: int  # tokens the default cache holds
+    cache_config: CacheConfig = field(default_factory=CacheConfig)  # dtype, policy, keep
 
     @property
     def chat_template(self) -> str | None:
@@ -40,9 +41,25 @@ class Model:
     def name(self) -> str:
         return str(self.metadata.get("general.name") or self.path.stem)
 
-    def make_cache(self, max_tokens: int | None = None) -> KVCache:
-        """A KV cache of ``max_tokens`` (default: the model's configured context)."""
-        return self.net.make_cache(max_tokens or self.context_length)
+    def make_cache(self, max_tokens: int | None = None, **overrides: Any) -> KVCache:
+        """A KV cache of ``max_tokens`` (default: the model's configured context), with the
+        model's ``cache_config`` (dtype, policy, keep); ``overrides`` replace its fields,
+        e.g. ``make_cache(512, policy="rotate", dtype="float32")``.
+        """
+        return self.net.make_cache(config=self._cache_config(max_tokens, overrides))
+
+    def cache_plan(self, max_tokens: int | None = None, **overrides: Any) -> CachePlan:
+        """The cache ``make_cache`` would allocate, sized without allocating: ``.nbytes``,
+        ``.tokens``, per-layer slots, and ``.describe()`` for one human-readable line.
+        """
+        config = self._cache_config(max_tokens, overrides)
+        return plan_cache(self.net.cache_specs(), config, self.context_length)
+
+    def _cache_config(self, max_tokens: int | None, overrides: dict) -> CacheConfig:
+        config = replace(self.cache_config, **overrides)
+        if max_tokens or config.max_bytes is None:
+            config = replace(config, max_tokens=max_tokens or self.context_length)
+        return config
 
     def encode(self, text: str, parse_special: bool = True) -> list[int]:
         """Prompt text to ids the way llama.cpp's tools do: BOS per the file, specials parsed.
@@ -69,10 +86,13 @@ class Model:
 
 
 def load(model: str | os.PathLike = "qwen2.5-coder-0.5b-instruct", backend: str = "auto",
-         threads: int | None = None, context_length: int | None = None) -> Model:
+         threads: int | None = None, context_length: int | None = None,
+         cache: CacheConfig | None = None) -> Model:
     """Load a model by catalog name or ``.gguf`` path onto a backend ("auto" = fastest here).
 
     ``context_length`` caps the default KV cache (default: the model's own, at most 4096).
+    ``cache`` sets the KV cache's budget (``max_tokens``/``max_bytes``: a byte budget sets the
+    context to the most tokens that fit), storage dtype and overflow policy.
     """
     path = resolve_model(model)
     gguf = read_gguf(path)
@@ -80,5 +100,10 @@ def load(model: str | os.PathLike = "qwen2.5-coder-0.5b-instruct", backend: str 
     be = get_backend(backend, **options)
     net = build_model(gguf.metadata, gguf.tensors, be)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
-    ctx = context_length or min(net.args.context_length, DEFAULT_CONTEXT)
-    return Model(path, gguf.metadata, net.args, net, tokenizer, be, ctx)
+    cache = cache or CacheConfig()
+    ctx = context_length or cache.max_tokens or min(net.args.context_length, DEFAULT_CONTEXT)
+    if cache.max_bytes is not None:  # the most tokens that fit, up to the model's context
+        ctx = context_length or cache.max_tokens or net.args.context_length
+        ctx = plan_cache(net.cache_specs(), replace(cache, max_tokens=ctx)).tokens
+    cache = replace(cache, max_tokens=ctx, max_bytes=None)
+    return Model(path, gguf.metadata, net.args, net, tokenizer, be, ctx, cache)

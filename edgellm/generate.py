@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from edgellm.cache import ContextOverflow, KVCache
+from edgellm.cache import ContextOverflow, KVCache, context_event
 from edgellm.sampling import SamplingParams, logits_processor, make_sampler, probabilities
 from edgellm.speculative import (
     Drafter,
@@ -200,10 +200,10 @@ def stream_generate(
     ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if cache is None:
         cache = model.make_cache()
-    if cache.offset + len(ids) > cache.max_tokens:
+    if not cache.fits(len(ids)):  # always fits when the cache rotates
         raise ContextOverflow(f"prompt of {len(ids)} tokens does not fit the context "
                               f"({cache.max_tokens - cache.offset} of {cache.max_tokens} free): "
-                              "shorten it or raise --ctx")
+                              "shorten it, raise --ctx or choose --policy rotate")
     detok = model.tokenizer.detokenizer()
     stops = StopMatcher(params.stop)
     eos = model.tokenizer.eos_ids
@@ -255,10 +255,12 @@ def stream_generate(
         elif n >= params.max_tokens:
             finish = "length"
             text += stops.flush() + detok.flush()
-        elif cache.offset >= cache.max_tokens:
+        elif not cache.fits(1):
             finish = "context"
             text += stops.flush() + detok.flush()
-        yield response(text, token, finish)
+        record = response(text, token, finish)
+        record.extra.update(context_event(cache))  # the budget rotated tokens out
+        yield record
 
 
 def generate(model: Model, prompt: str | Sequence[int], params: SamplingParams | None = None,

@@ -44,7 +44,7 @@ def hf_logits(cfg: TinyConfig, seed: int, tokens: list[int], round_trip: bool = 
 def edgellm_logits(path, tokens: list[int], split: int) -> np.ndarray:
     """Prefill the first ``split`` tokens in one pass, then decode the rest one by one."""
     model = edgellm.load(path, backend="numpy")
-    cache = model.make_cache(64)
+    cache = model.make_cache(64, dtype="float32")  # f32 KV: an f32 comparison
     first = model.net.forward(np.array(tokens[:split]), cache, all_logits=True)
     rest = [model.net.forward(np.array([t]), cache) for t in tokens[split:]]
     return np.concatenate([first, *rest])

@@ -6,12 +6,20 @@ RoPE here rotates pairs (x[2i], x[2i+1]). Qwen2 subclasses this with half-split 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from edgellm.cache import KVCache, LayerCache
+from edgellm.cache import (
+    CacheConfig,
+    KVCache,
+    LayerCache,
+    LayerSpec,
+    build_cache,
+    with_budget,
+)
 from edgellm.config import ModelArgs
 from edgellm.converters.gguf_reader import QTensor
 
@@ -115,21 +123,41 @@ class Model:
     def attention_scale(self) -> float:
         return 1.0 / float(np.sqrt(self.args.head_dim))
 
-    def make_cache(self, max_tokens: int, dtype: str = "float32") -> KVCache:
-        """A plain preallocated cache of ``max_tokens`` slots per layer."""
+    @classmethod
+    def layer_windows(cls, args: ModelArgs) -> list[int]:
+        """Each layer's sliding window from the args alone (to size a cache before loading)."""
+        bare = cls.__new__(cls)
+        bare.args = args
+        return [bare.layer_window(i) for i in range(args.n_layers)]
+
+    def cache_specs(self) -> list[LayerSpec]:
+        """Per layer: KV heads, head size, native window, and the RoPE that re-bases sinks."""
         a = self.args
-        return KVCache([
-            LayerCache(self.backend, max_tokens, a.n_kv_heads, a.head_dim,
-                       window=self.layer_window(i), dtype=dtype)
-            for i in range(a.n_layers)
-        ])
+        specs = []
+        for i in range(a.n_layers):
+            theta, freq_scale = self.layer_rope(i)
+            rope = partial(self.backend.rope, theta=theta, neox=self.rope_neox,
+                           freq_factors=self.rope_freqs, freq_scale=freq_scale)
+            specs.append(LayerSpec(a.n_kv_heads, a.head_dim, self.layer_window(i), rope))
+        return specs
+
+    def make_cache(self, max_tokens: int | None = None, dtype: str | None = None,
+                   config: CacheConfig | None = None) -> KVCache:
+        """A cache preallocated to the budget in ``config`` (``max_tokens``/``dtype`` override
+        it; default: f16, policy error, min(model context, 4096) tokens).
+        """
+        config = with_budget(config or CacheConfig(), max_tokens)
+        if dtype:
+            config = replace(config, dtype=dtype)
+        return build_cache(self.backend, self.cache_specs(), config,
+                           default_tokens=min(self.args.context_length, 4096))
 
     # -- forward -------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Logits for new tokens (n,): (n, vocab) if all_logits else (1, vocab) for the last."""
         B = self.backend
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        positions = cache.positions(len(tokens))
+        positions = cache.begin(len(tokens))  # raises ContextOverflow past the budget
         x = B.embed(self.tok_embd, tokens)  # (n, d)
         if self.embed_scale != 1.0:
             x = B.scale(x, self.embed_scale)
