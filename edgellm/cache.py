@@ -19,13 +19,16 @@ rotating, ``j < keep or p - j < budget - keep``. So a query always attends to ex
 tokens a token-by-token decode would, however the tokens are batched.
 
 RoPE under ``rotate``: keys are stored after RoPE at their absolute positions, so the
-distance between a query and every *recent* key is the true one (at most the budget). The
-sinks are re-based instead: for each update the sinks' keys are rotated by ``base`` (through
-the backend's own ``rope``; rotations compose) so that they sit just before the oldest recent
-key the update's first query sees, as in StreamingLLM. In decode this is StreamingLLM
-exactly; in a batch of ``n`` tokens the later queries see the sinks up to ``n - 1``
-positions further away. No distance ever exceeds ``budget + n``, so the model never sees a
-relative position beyond what it was trained on, however long the stream runs.
+distance between a query and every *recent* key is the true one (less than the budget).
+The sinks are re-based instead, through the backend's own ``rope`` (rotations compose): for
+a query at ``p`` they are rotated by ``base = p - span + 1 - keep`` so that they sit just
+before the oldest recent key it sees, exactly as StreamingLLM places them (positions within
+the cache). A single query re-bases the sinks' rows in place; in a batch each query gets its
+own re-based copy of the ``keep`` sink rows (n*keep extra keys, masked so query i sees copy
+i), so a batch attends exactly as token-by-token decoding would. No query-key distance ever
+exceeds the budget, so the model never meets a relative position beyond those it was trained
+on, however long the stream runs. (Absolute positions keep growing: a backend must compute
+RoPE angles precisely at large positions; the numpy reference does so in float64.)
 
 Rollback: ring layers carry ``reserve`` extra slots, so the tokens evicted by the last
 ``reserve`` writes are still there and ``trim(n)`` works after the ring has wrapped (the

@@ -15,6 +15,19 @@ def kv_cache_bytes(args: ModelArgs, tokens: int, bytes_per_value: int = 4) -> in
     return 2 * args.n_layers * tokens * args.n_kv_heads * args.head_dim * bytes_per_value
 
 
+def default_cache_plan(args: ModelArgs, tokens: int | None = None, dtype: str = "float16"):
+    """The KV cache ``edgellm.load`` would allocate by default (min(context, 4096) tokens, f16,
+    sliding-window layers as rings), planned from the args alone: nothing is loaded.
+    """
+    from edgellm.cache import CacheConfig, LayerSpec, plan_cache
+    from edgellm.models import model_class
+
+    windows = model_class(args.architecture).layer_windows(args)
+    specs = [LayerSpec(args.n_kv_heads, args.head_dim, w) for w in windows]
+    tokens = tokens or min(args.context_length, 4096)
+    return plan_cache(specs, CacheConfig(max_tokens=tokens, dtype=dtype))
+
+
 def describe(gguf: GGUFFile) -> dict[str, Any]:
     """Architecture, sizes, quant mix, context and template of a model file."""
     md = gguf.metadata
@@ -43,5 +56,7 @@ def describe(gguf: GGUFFile) -> dict[str, Any]:
         "tokenizer": md.get("tokenizer.ggml.model"),
         "chat_template": template,
         "kv_bytes_per_token_f16": kv_cache_bytes(args, 1, 2),
+        "kv_cache": default_cache_plan(args).describe(),
+        "kv_cache_bytes": default_cache_plan(args).nbytes,
         "gguf_version": gguf.version,
     }
