@@ -20,9 +20,10 @@ from edgellm.chat import POLICIES, ChatEvent, ChatSession, Notice
 
 from .chat_commands import ExitChat, ReplState, format_stats, is_command, run_command
 from .common import (
+    add_draft_args,
     add_model_args,
     add_sampling_args,
-    ensure_model,
+    load_draft_from_args,
     load_from_args,
     sampling_from_args,
 )
@@ -41,15 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default), rotate, or error")
     p.set_defaults(policy="truncate-turns")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--draft", default=None, metavar="MODEL",
-                   help="speculative decoding with a small draft model of the same "
-                        "vocabulary (catalog name or .gguf), or 'ngram' (prompt lookup)")
     p.add_argument("--verbose", dest="verbose", action="store_true", default=None,
                    help="a stats line after each reply (default in a terminal)")
     p.add_argument("--quiet", dest="verbose", action="store_false",
                    help="no stats lines (default with piped stdin)")
     p.add_argument("--no-color", action="store_true", help="plain output (also: NO_COLOR=1)")
     add_sampling_args(p, max_tokens=512)
+    add_draft_args(p)
     return p
 
 
@@ -63,7 +62,11 @@ def _add_unless_present(parser: argparse.ArgumentParser, flag: str, **kwargs) ->
 
 # -- output ---------------------------------------------------------------------------------
 class Console:
-    """Everything the REPL writes: replies on stdout, colour only where it is welcome."""
+    """Everything the REPL writes, colour only where it is welcome.
+
+    In a terminal all of it goes to stdout; with stdin piped, stdout carries the replies
+    alone and everything else (command output, notices, stats) goes to stderr.
+    """
 
     STYLES = {"user": "1;32", "assistant": "1;36", "info": "2", "stats": "2", "notice": "33",
               "error": "31"}
@@ -77,20 +80,20 @@ class Console:
         return f"\033[{self.STYLES[style]}m{text}\033[0m" if self.color else text
 
     def _line(self, text: str, style: str, stream=None) -> None:
-        stream = stream or sys.stdout
+        stream = stream or (sys.stdout if self.interactive else sys.stderr)
         print(self.paint(text, style) if stream.isatty() else text, file=stream, flush=True)
 
     def info(self, text: str) -> None:
         self._line(text, "info")
 
     def notice(self, text: str) -> None:
-        self._line(text, "notice", None if self.interactive else sys.stderr)
+        self._line(text, "notice")
 
     def error(self, text: str) -> None:
         self._line(f"error: {text}", "error", sys.stderr)
 
     def stats(self, text: str) -> None:
-        self._line(text, "stats", None if self.interactive else sys.stderr)
+        self._line(text, "stats")
 
     def reply_piece(self, text: str) -> None:
         if text:
@@ -110,8 +113,9 @@ class Console:
 
     def transcript(self, role: str, text: str, cut: bool = False) -> None:
         """A past message (shown after /load)."""
-        label = self.paint(PROMPT if role == "user" else "", "user")
-        print(f"{label}{text}" + (" [cut]" if cut else ""), flush=True)
+        label = self.paint(PROMPT, "user") if role == "user" else ""
+        stream = sys.stdout if self.interactive else sys.stderr
+        print(f"{label}{text}" + (" [cut]" if cut else ""), file=stream, flush=True)
 
 
 def wants_color(no_color_flag: bool) -> bool:
@@ -305,16 +309,9 @@ def repl(state: ReplState, console: Console, reader: PipedInput | TerminalInput)
 
 
 def draft_options(args: argparse.Namespace, model) -> dict:
-    """stream_generate's ``draft`` option from --draft (a draft model loads like the target)."""
-    if not args.draft:
-        return {}
-    if args.draft == "ngram":
-        return {"draft": "ngram"}
-    from edgellm.api import load
-
-    draft = load(ensure_model(args.draft), backend=args.backend, threads=args.threads,
-                 context_length=model.context_length)
-    return {"draft": draft}
+    """stream_generate's ``draft``/``draft_n`` options from --draft and --draft-n."""
+    draft = load_draft_from_args(args, model)
+    return {"draft": draft, "draft_n": args.draft_n} if draft is not None else {}
 
 
 def main(argv: list[str], command: str = "chat") -> int:
