@@ -167,10 +167,14 @@ class ModelDrafter:
     missing tail in one pass, so plain steps taken while drafting is off cost nothing here.
     """
 
-    def __init__(self, net, cache: KVCache, vocab_size: int, head_ids: np.ndarray | None = None):
+    def __init__(self, net, cache: KVCache, vocab_size: int, head_ids: np.ndarray | None = None,
+                 min_confidence: float = 0.5):
         self.net, self.cache = net, cache
         self.vocab_size = vocab_size  # the target's: draft logits are mapped onto it
         self.head_ids = head_ids  # (m,) ids of a cut-down head, or None for the full head
+        # stop a proposal at the first token the draft itself gives less than this probability
+        # (at temperature 1): such tokens are rarely accepted and cost a draft step each
+        self.min_confidence = min_confidence
         self.fed = cache.offset  # the cache holds context[:fed]
         self.seconds = 0.0  # time spent in the draft model (the controller reads it)
         self.broken = False  # set when the draft cache is full: drafting stops
@@ -184,16 +188,19 @@ class ModelDrafter:
             except ContextOverflow:
                 self.broken = True
 
-    def _logits(self, tokens: Sequence[int]) -> np.ndarray:
-        """Draft logits (vocab,) over the target's vocabulary after feeding ``tokens``."""
-        out = self.net.forward(np.asarray(tokens), self.cache)[-1]
+    def _logits(self, tokens: Sequence[int]) -> tuple[np.ndarray, float]:
+        """Draft logits (vocab,) over the target's vocabulary after feeding ``tokens``, and
+        the draft's own probability of its top token (softmax at temperature 1)."""
+        out = self.net.forward(np.asarray(tokens), self.cache)[-1]  # (m,) or (draft vocab,)
+        top = float(out.max())
+        confidence = 1.0 / float(np.exp(out - top).sum())
         full = np.full(self.vocab_size, -np.inf, dtype=np.float32)
         if self.head_ids is not None:
             full[self.head_ids] = out
         else:
             n = min(len(out), self.vocab_size)  # vocab sizes may differ by padding
             full[:n] = out[:n]
-        return full
+        return full, confidence
 
     def propose(self, context, k, params, process, rng) -> Draft:
         if self.broken or k == 0:
@@ -204,8 +211,11 @@ class ModelDrafter:
         pending = context[self.fed:]
         try:
             for _ in range(k):
-                logits = process(self._logits(pending), context)
+                logits, confidence = self._logits(pending)
                 self.fed += len(pending)
+                if confidence < self.min_confidence:
+                    break
+                logits = process(logits, context)
                 if params.greedy:
                     token, q = int(np.argmax(logits)), None
                 else:
@@ -268,17 +278,19 @@ class NgramDrafter:
 
 
 def make_drafter(target: Model, draft: Model | str | Drafter, prompt: Sequence[int],
-                 max_tokens: int, head_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> Drafter:
+                 max_tokens: int, head_vocab: int | None = DEFAULT_DRAFT_VOCAB,
+                 min_confidence: float = 0.5) -> Drafter:
     """A drafter from a draft ``Model``, "ngram" (prompt lookup), or an existing ``Drafter``.
 
     A model draft gets its own cache of ``max_tokens`` and, when ``head_vocab`` is set, an
-    output head cut to ``draft_vocabulary(..., head_vocab)`` (exactness does not depend on it).
+    output head cut to ``draft_vocabulary(..., head_vocab)`` (exactness does not depend on it)
+    and stops a proposal at a token it gives less than ``min_confidence``.
     """
     if isinstance(draft, str):
         if draft != "ngram":
             raise ValueError(f"draft {draft!r}: pass a loaded Model (edgellm.load(...)) or 'ngram'")
         return NgramDrafter()
-    if not hasattr(draft, "net"):
+    if hasattr(draft, "propose"):
         return draft  # already a Drafter
     check_same_vocabulary(target, draft)
     vocab = target.args.vocab_size
@@ -288,7 +300,7 @@ def make_drafter(target: Model, draft: Model | str | Drafter, prompt: Sequence[i
         ids = ids[ids < vocab]
         cut = restrict_head(draft, ids) if len(ids) < draft.args.vocab_size else None
         net, ids = (cut, ids) if cut is not None else (draft.net, None)
-    return ModelDrafter(net, draft.make_cache(max_tokens), vocab, ids)
+    return ModelDrafter(net, draft.make_cache(max_tokens), vocab, ids, min_confidence)
 
 
 # ---------------------------------------------------------------------------- controller
@@ -305,7 +317,7 @@ class DraftLengthController:
     probes with a short draft every ``probe_every`` steps so a rising acceptance is noticed.
     """
 
-    def __init__(self, fixed: int | None = None, max_k: int = 8, initial_k: int = 3,
+    def __init__(self, fixed: int | None = None, max_k: int = 7, initial_k: int = 3,
                  acceptance_prior: float = 0.7, draft_cost_prior: float = 0.35,
                  smoothing: float = 0.1, probe_every: int = 16):
         if fixed is not None and fixed < 0:
@@ -320,6 +332,8 @@ class DraftLengthController:
         self.plain_steps = 0
 
     def next_length(self) -> int:
+        """k for the next round (max_k 7 keeps a verification pass at <= 8 tokens, the batch
+        the fast CPU backend reads each weight once for)."""
         if self.fixed is not None:
             return self.fixed
         if len(self.passes) < 2:

@@ -58,8 +58,13 @@ def plain_tokens(model, prompt, params, n, max_tokens=256):
     return [next(steps)[0] for _ in range(n)]
 
 
+def drafter_for(model, draft, prompt, max_tokens=256):
+    """Tiny random models are unsure of everything: draft regardless of confidence."""
+    return make_drafter(model, draft, prompt, max_tokens, min_confidence=0.0)
+
+
 def speculative_tokens(model, draft, prompt, params, n, k, stats=None, max_tokens=256):
-    drafter = make_drafter(model, draft, prompt, max_tokens)
+    drafter = drafter_for(model, draft, prompt, max_tokens)
     steps = speculative_generate_step(prompt, model.net, model.make_cache(max_tokens), params,
                                       drafter=drafter, controller=DraftLengthController(fixed=k),
                                       stats=stats)
@@ -80,7 +85,8 @@ def test_greedy_equals_plain_greedy(tiny, draft_name, k):
 
 
 def test_draft_equal_to_target_accepts_everything_through_stream(tiny):
-    responses = list(stream_generate(tiny.target, [1, 50, 60], GREEDY, draft=tiny.same,
+    responses = list(stream_generate(tiny.target, [1, 50, 60], GREEDY,
+                                     draft=drafter_for(tiny.target, tiny.same, [1, 50, 60]),
                                      draft_n=4))
     plain = list(stream_generate(tiny.target, [1, 50, 60], GREEDY))
     assert [r.token for r in responses] == [r.token for r in plain]
@@ -97,7 +103,7 @@ def test_caches_roll_back_when_the_consumer_stops(tiny):
     for _ in range(9):
         next(steps)
     cache = tiny.target.make_cache(256)
-    drafter = make_drafter(tiny.target, tiny.same, prompt, 256)
+    drafter = drafter_for(tiny.target, tiny.same, prompt)
     spec = speculative_generate_step(prompt, tiny.target.net, cache, GREEDY, drafter=drafter,
                                      controller=DraftLengthController(fixed=5))
     for _ in range(9):
@@ -112,7 +118,7 @@ def test_context_overflow_ends_like_plain(tiny):
     small = SamplingParams(temperature=0.0, max_tokens=500)
     plain = list(stream_generate(tiny.target, prompt, small, cache=tiny.target.make_cache(30)))
     spec = list(stream_generate(tiny.target, prompt, small, cache=tiny.target.make_cache(30),
-                                draft=tiny.q8, draft_n=6))
+                                draft=drafter_for(tiny.target, tiny.q8, prompt, 30), draft_n=6))
     assert [r.token for r in spec] == [r.token for r in plain]
     assert spec[-1].finish_reason == plain[-1].finish_reason == "context"
 
