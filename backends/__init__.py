@@ -9,6 +9,7 @@ from .base import Backend
 # name -> (module, class); modules are relative to this package.
 _REGISTRY: dict[str, tuple[str, str]] = {
     "numpy": (".numpy_backend", "NumpyBackend"),
+    "cpu": (".cpu", "CpuBackend"),
 }
 
 #: Tried in order by ``get_backend("auto")``.

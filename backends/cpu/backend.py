@@ -1,0 +1,156 @@
+"""The fast CPU backend: quantized weights used in place, never expanded to f32.
+
+Decode (a few tokens): activations are quantized to int8 per 32 and dotted with the weight
+blocks by the C kernels (AVX-512 VNNI / AVX2, native/cpu_kernels.c), or by Numba kernels that
+decode one weight row at a time where there is no C compiler or no x86. Prefill (many tokens):
+weights are decoded a tile of rows at a time into an f32 buffer and multiplied with BLAS, so
+the work is compute-bound matrix-matrix and the f32 tile stays small.
+
+Weights keep the GGUF file's own blocks (zero copy over its mmap), so a tied embedding serves
+both lookup and output from the same bytes and resident memory stays near the file size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from edgellm.converters.gguf_reader import QTensor
+from edgellm.native import cpu_kernels
+from edgellm.quants import Q
+
+from ..numpy_backend import NumpyBackend
+from . import numba_ops
+from .numba_quant import CODES, F16_TABLE, dequant_rows, matvec
+
+#: below this many tokens a matmul runs the integer mat-vec kernels; above, tiles + BLAS
+MATVEC_MAX_TOKENS = 8
+#: f32 bytes of one decoded weight tile in prefill (fits L2 with room for activations)
+TILE_BYTES = 2 << 20
+
+
+@dataclass
+class QuantMatrix:
+    """A (rows, cols) weight in its file encoding: ``data`` (rows, row_bytes) uint8 blocks."""
+
+    data: np.ndarray
+    qtype: Q
+    rows: int
+    cols: int
+
+    @property
+    def code(self) -> int:
+        return CODES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (hyper-threads counted once)."""
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        siblings = [int(line.split(":")[1]) for line in text.splitlines()
+                    if line.startswith("siblings")]
+        cores = [int(line.split(":")[1]) for line in text.splitlines()
+                 if line.startswith("cpu cores")]
+        if siblings and cores and siblings[0] > cores[0]:
+            return max(1, logical * cores[0] // siblings[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(1, logical or 1)
+
+
+class CpuBackend(NumpyBackend):
+    """Quantized kernels for laptop CPUs; f32 activations, weights in their GGUF blocks.
+
+    ``threads`` defaults to the physical cores; ``kernels`` is "auto" (C where it builds,
+    else Numba), "c" or "numba".
+    """
+
+    name = "cpu"
+
+    def __init__(self, threads: int | None = None, kernels: str = "auto"):
+        self.threads = int(threads or physical_cores())
+        numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+        if kernels not in ("auto", "c", "numba"):
+            raise ValueError(f"kernels must be auto, c or numba, not {kernels!r}")
+        self.native = None if kernels == "numba" else cpu_kernels.load()
+        if kernels == "c" and self.native is None:
+            raise RuntimeError("C kernels requested but they do not build here "
+                               "(need x86 AVX2, a C compiler and cffi: pip install cffi)")
+        self.kernels = "c" if self.native is not None else "numba"
+
+    # -- weights -------------------------------------------------------------------------
+    def prepare(self, tensor: QTensor):
+        if tensor.qtype not in CODES:  # F32 / F16 / BF16: small or rare, kept as f32
+            return np.ascontiguousarray(tensor.dequantize(), dtype=np.float32)
+        rows, cols = int(np.prod(tensor.shape[:-1])), int(tensor.shape[-1])
+        return QuantMatrix(tensor.data.reshape(rows, -1), tensor.qtype, rows, cols)
+
+    def prepare_embedding(self, tensor: QTensor):
+        return self.prepare(tensor)  # the same zero-copy blocks serve lookup and output
+
+    # -- ops -----------------------------------------------------------------------------
+    def embed(self, table, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if not isinstance(table, QuantMatrix):
+            return np.asarray(table[ids], dtype=np.float32)
+        out = np.empty((len(ids), table.cols), dtype=np.float32)  # (n, d)
+        dequant_rows(table.code, table.data, ids, out, F16_TABLE)
+        return out
+
+    def matmul(self, x: np.ndarray, weight, bias=None) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)  # (n, in)
+        if not isinstance(weight, QuantMatrix):
+            out = x @ weight.T
+        elif x.shape[0] <= MATVEC_MAX_TOKENS:
+            out = self._matvec(x, weight)
+        else:
+            out = self._matmul_tiled(x, weight)
+        if bias is not None:
+            out += bias
+        return out
+
+    def _matvec(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
+        n = x.shape[0]
+        out = np.empty((n, w.rows), dtype=np.float32)  # (n, out)
+        lib = self.native
+        if lib is None or w.cols % 32:
+            matvec(w.code, w.data, x, out, F16_TABLE)
+            return out
+        ffi, lib = lib.ffi, lib.lib
+        xq = np.empty((n, w.cols), dtype=np.int8)
+        xd = np.empty((n, w.cols // 32), dtype=np.float32)
+        xs = np.empty((n, w.cols // 16), dtype=np.int32)
+        ptr = ffi.cast
+        lib.ek_quantize_rows(ptr("float *", x.ctypes.data), n, w.cols,
+                             ptr("int8_t *", xq.ctypes.data), ptr("float *", xd.ctypes.data),
+                             ptr("int32_t *", xs.ctypes.data))
+        lib.ek_matvec_mt(int(w.qtype), ptr("uint8_t *", w.data.ctypes.data), w.data.strides[0],
+                         w.rows, w.cols, ptr("int8_t *", xq.ctypes.data),
+                         ptr("float *", xd.ctypes.data), ptr("int32_t *", xs.ctypes.data), n,
+                         ptr("float *", out.ctypes.data), self.threads)
+        return out
+
+    def _matmul_tiled(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
+        out = np.empty((x.shape[0], w.rows), dtype=np.float32)  # (n, out)
+        tile_rows = max(16, TILE_BYTES // (4 * w.cols))
+        tile = np.empty((min(tile_rows, w.rows), w.cols), dtype=np.float32)
+        for r0 in range(0, w.rows, tile_rows):
+            r1 = min(w.rows, r0 + tile_rows)
+            ids = np.arange(r0, r1, dtype=np.int64)
+            dequant_rows(w.code, w.data, ids, tile[: r1 - r0], F16_TABLE)
+            np.matmul(x, tile[: r1 - r0].T, out=out[:, r0:r1])
+        return out
+
+    # -- fused elementwise ops (Numba) ------------------------------------------------------
+    def rms_norm(self, x, weight, eps):
+        return numba_ops.rms_norm(np.ascontiguousarray(x, dtype=np.float32), weight,
+                                  np.float32(eps))

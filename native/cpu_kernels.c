@@ -1,0 +1,303 @@
+/* Quantized mat-vec kernels for x86 (AVX2, AVX-512 VNNI) over ggml's own block layouts.
+ *
+ * Weights are read in place (zero copy over the GGUF mmap): a row of a (rows, cols) matrix
+ * is cols / block_size ggml blocks. Activations are quantized to int8 per 32 elements
+ * (scale xd, plus sums of 16-element halves xs16 for the types with offsets or minimums),
+ * so every block dot product is an unsigned-by-signed 8-bit integer dot:
+ *
+ *     w = s * q + m   (q unsigned)   =>   sum(w * x) = s * xd * dot(q, xq) + m * xd * sum(xq)
+ *
+ * dot32 below is vpdpbusd (AVX-512 VNNI) or vpmaddubsw + vpmaddwd (AVX2). Block layouts follow
+ * ggml-common.h. Built by native/cpu_kernels.py with -mavx2 (and -mavx512vnni where present);
+ * never with AMX.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* ---- 8-bit dot of 32 bytes: u (unsigned) . s (signed) -> 8 int32 partial sums ---------- */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i dot32(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+#else
+static inline __m256i dot32(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#endif
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 bits -> 32 bytes, each 0x10 where its bit is set (the fifth bit of Q5 types). */
+static inline __m256i bits_to_0x10(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(0x10));
+#else
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+#endif
+}
+
+/* 16 packed bytes -> 32 nibbles: low nibbles first (elements 0..15), then high (16..31). */
+static inline __m256i nibbles16(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+static inline __m256i loadx(const int8_t *x) { return _mm256_loadu_si256((const __m256i *)x); }
+
+/* K-quant 6-bit scales and mins of sub-block j (0..7) from the 12 packed bytes. */
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* ---- row dot products: one weight row (nb blocks) . one quantized activation row ------------
+ * xq (cols,) int8, xd (cols/32,) scales, xs (cols/16,) sums of 16-element halves. */
+
+static float dot_q8_0(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb) {
+    (void)xs;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 34) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        __m256i x = loadx(xq + 32 * b);
+        __m256i p = dot32(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f16(w) * xd[b]), acc);
+    }
+    return hsum8(acc);
+}
+
+static float dot_q4_0(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.0f;
+    for (int b = 0; b < nb; b++, w += 18) {
+        float s = f16(w) * xd[b];
+        __m256i p = dot32(nibbles16(w + 2), loadx(xq + 32 * b));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc);
+        off += 8.0f * s * (float)(xs[2 * b] + xs[2 * b + 1]);
+    }
+    return hsum8(acc) - off;
+}
+
+static float dot_q4_1(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.0f;
+    for (int b = 0; b < nb; b++, w += 20) {
+        __m256i p = dot32(nibbles16(w + 4), loadx(xq + 32 * b));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f16(w) * xd[b]), acc);
+        off += f16(w + 2) * xd[b] * (float)(xs[2 * b] + xs[2 * b + 1]);
+    }
+    return hsum8(acc) + off;
+}
+
+static float dot_q5_0(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.0f;
+    for (int b = 0; b < nb; b++, w += 22) {
+        uint32_t qh;
+        memcpy(&qh, w + 2, 4);
+        float s = f16(w) * xd[b];
+        __m256i q = _mm256_or_si256(nibbles16(w + 6), bits_to_0x10(qh));
+        __m256i p = dot32(q, loadx(xq + 32 * b));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc);
+        off += 16.0f * s * (float)(xs[2 * b] + xs[2 * b + 1]);
+    }
+    return hsum8(acc) - off;
+}
+
+static float dot_q5_1(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.0f;
+    for (int b = 0; b < nb; b++, w += 24) {
+        uint32_t qh;
+        memcpy(&qh, w + 4, 4);
+        __m256i q = _mm256_or_si256(nibbles16(w + 8), bits_to_0x10(qh));
+        __m256i p = dot32(q, loadx(xq + 32 * b));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f16(w) * xd[b]), acc);
+        off += f16(w + 2) * xd[b] * (float)(xs[2 * b] + xs[2 * b + 1]);
+    }
+    return hsum8(acc) + off;
+}
+
+/* Q4_K / Q5_K superblock: d, dmin (f16), 12 bytes of 6-bit scales/mins, [qh 32], qs 128. */
+static float dot_qk(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                    int nsb, int five) {
+    const int bytes = five ? 176 : 144;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.0f;
+    for (int sb = 0; sb < nsb; sb++, w += bytes) {
+        const float d = f16(w), dmin = f16(w + 2);
+        const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
+        __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(raw, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            if (five) {  /* bit 2j of qh[l] -> element l, bit 2j+1 -> element 32 + l */
+                __m256i h = _mm256_srli_epi16(hbits, 2 * j);
+                __m256i one = _mm256_set1_epi8(1);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                hi = _mm256_or_si256(
+                    hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+            }
+            for (int half = 0; half < 2; half++) {
+                const int sub = 2 * j + half, b = sb * 8 + sub;
+                uint8_t sc, mn;
+                scale_min_k4(sub, w + 4, &sc, &mn);
+                __m256i p = dot32(half ? hi : lo, loadx(xq + 32 * b));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sc * xd[b]), acc);
+                off += dmin * mn * xd[b] * (float)(xs[2 * b] + xs[2 * b + 1]);
+            }
+        }
+    }
+    return hsum8(acc) - off;
+}
+
+static float dot_q4_k(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb) {
+    return dot_qk(w, xq, xd, xs, nb / 8, 0);
+}
+
+static float dot_q5_k(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb) {
+    return dot_qk(w, xq, xd, xs, nb / 8, 1);
+}
+
+/* Q6_K superblock (210 bytes): ql[128], qh[64], int8 scales[16] (per 16), d (f16). */
+static float dot_q6_k(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.0f;
+    for (int sb = 0; sb < nb / 8; sb++, w += 210) {
+        const float d = f16(w + 208);
+        const int8_t *scales = (const int8_t *)(w + 192);
+        for (int h = 0; h < 2; h++) {
+            __m256i qa = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+            __m256i qb = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(qa, low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(3)), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(qb, low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4),
+                                   _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
+                                   _mm256_and_si256(_mm256_srli_epi16(hb, 2),
+                                                    _mm256_set1_epi8(0x30)));
+            for (int k = 0; k < 4; k++) {
+                const int b = sb * 8 + 4 * h + k;
+                const float s0 = d * scales[8 * h + 2 * k] * xd[b];
+                const float s1 = d * scales[8 * h + 2 * k + 1] * xd[b];
+                __m256i p = dot32(q[k], loadx(xq + 32 * b));
+                __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc);
+                off += 32.0f * (s0 * (float)xs[2 * b] + s1 * (float)xs[2 * b + 1]);
+            }
+        }
+    }
+    return hsum8(acc) - off;
+}
+
+typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const int32_t *, int);
+
+static dot_fn dot_for(int qtype) {
+    switch (qtype) {
+    case T_Q8_0: return dot_q8_0;
+    case T_Q4_0: return dot_q4_0;
+    case T_Q4_1: return dot_q4_1;
+    case T_Q5_0: return dot_q5_0;
+    case T_Q5_1: return dot_q5_1;
+    case T_Q4_K: return dot_q4_k;
+    case T_Q5_K: return dot_q5_k;
+    case T_Q6_K: return dot_q6_k;
+    default: return 0;
+    }
+}
+
+/* ---- public entry points ----------------------------------------------------------------- */
+
+int ek_supports(int qtype) { return dot_for(qtype) != 0; }
+
+/* x (n, cols) f32 -> xq (n, cols) int8, xd (n, cols/32), xs (n, cols/16). cols % 32 == 0. */
+void ek_quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs) {
+    for (int t = 0; t < n; t++) {
+        for (int b = 0; b < cols / 32; b++) {
+            const float *v = x + (int64_t)t * cols + 32 * b;
+            int8_t *q = xq + (int64_t)t * cols + 32 * b;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int s0 = 0, s1 = 0;
+            for (int i = 0; i < 16; i++) {
+                int a = (int)nearbyintf(v[i] * inv), c = (int)nearbyintf(v[i + 16] * inv);
+                q[i] = (int8_t)a;
+                q[i + 16] = (int8_t)c;
+                s0 += a;
+                s1 += c;
+            }
+            xd[(int64_t)t * (cols / 32) + b] = d;
+            xs[(int64_t)t * (cols / 16) + 2 * b] = s0;
+            xs[(int64_t)t * (cols / 16) + 2 * b + 1] = s1;
+        }
+    }
+}
+
+/* out[t, r] = dot(w[r], x[t]) for rows r in [r0, r1) and n tokens; out row stride ldo. */
+void ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
+               const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
+               int64_t ldo) {
+    dot_fn dot = dot_for(qtype);
+    const int nb = cols / 32;
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *row = w + (int64_t)r * row_bytes;
+        for (int t = 0; t < n; t++)
+            out[(int64_t)t * ldo + r] = dot(row, xq + (int64_t)t * cols, xd + (int64_t)t * nb,
+                                            xs + (int64_t)t * 2 * nb, nb);
+    }
+}
+
+/* The same, split over nthreads OpenMP threads by row ranges. */
+void ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
+                  const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
+                  int nthreads) {
+    const int chunk = 16;
+    const int nchunks = (rows + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 4)
+    for (int c = 0; c < nchunks; c++) {
+        int r1 = (c + 1) * chunk < rows ? (c + 1) * chunk : rows;
+        ek_matvec(qtype, w, row_bytes, c * chunk, r1, cols, xq, xd, xs, n, out, rows);
+    }
+}

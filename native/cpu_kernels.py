@@ -1,0 +1,105 @@
+"""Loader for the optional C kernels (cpu_kernels.c), built with cffi on first use.
+
+The build picks the best instruction set this CPU has (AVX-512 VNNI, else AVX2; never AMX),
+compiles once into a cache folder keyed by the source's hash and the flags, and loads the
+result. ``load()`` returns None, never raises, where there is no x86 AVX2, no compiler or no
+cffi: callers fall back to the Numba kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import warnings
+from pathlib import Path
+from typing import Any
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+
+CDEF = """
+int ek_supports(int qtype);
+void ek_quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs);
+void ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
+               const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
+               int64_t ldo);
+void ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
+                  const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
+                  int nthreads);
+"""
+
+#: instruction-set variant -> (cpuinfo flags it needs, compiler flags)
+VARIANTS: dict[str, tuple[tuple[str, ...], list[str]]] = {
+    "avx512vnni": (("avx2", "fma", "f16c", "avx512bw", "avx512vl", "avx512_vnni"),
+                   ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                    "-mavx512vnni"]),
+    "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+}
+
+_loaded: dict[str, Any] = {}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where that is unavailable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def best_variant() -> str | None:
+    """The fastest kernel variant this CPU runs, or None off x86."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    flags = cpu_flags()
+    for name, (needs, _) in VARIANTS.items():
+        if all(f in flags for f in needs):
+            return name
+    return None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("EDGELLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "edgellm")
+    return Path(base) / "native"
+
+
+def _build(variant: str) -> Path:
+    import cffi
+
+    flags = ["-O3", "-fopenmp", "-fno-math-errno"] + VARIANTS[variant][1]
+    key = hashlib.sha256((SOURCE.read_text() + CDEF + " ".join(flags)).encode()).hexdigest()[:12]
+    name = f"_edgellm_cpu_{variant}_{key}"
+    out_dir = cache_dir()
+    found = list(out_dir.glob(name + "*.so")) if out_dir.is_dir() else []
+    if found:
+        return found[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF)
+    ffi.set_source(name, SOURCE.read_text(), extra_compile_args=flags,
+                   extra_link_args=["-fopenmp"])
+    return Path(ffi.compile(tmpdir=str(out_dir)))
+
+
+def load(variant: str | None = None) -> Any | None:
+    """The compiled kernel module (``.lib``, ``.ffi``) for variant (default: best), or None."""
+    variant = variant or best_variant()
+    if variant is None:
+        return None
+    if variant not in _loaded:
+        try:
+            path = _build(variant)
+            spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except Exception as exc:  # no compiler, no cffi, odd toolchain: use Numba instead
+            warnings.warn(f"edgellm: C kernels unavailable ({exc}); using Numba", stacklevel=2)
+            module = None
+        _loaded[variant] = module
+    return _loaded[variant]

@@ -1,0 +1,127 @@
+"""Every op of every available backend against the numpy reference, for every core quant type.
+
+Weights are random blocks of each type (random bytes with sane f16 scales), so every bit of
+every block layout is exercised; the reference dequantizes them with gguf-py's oracle.
+Backends that quantize activations to int8 per 32 elements (as llama.cpp does) may differ by
+at most the rounding of those activations: sum |w| * blockmax|x| / 254 per output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgellm.backends import available_backends, get_backend
+from edgellm.converters.gguf_reader import QTensor
+from edgellm.quants import CORE_TYPES, GGML_QUANT_SIZES, Q, dequantize, quantize
+
+# (name, options): every available backend, and the CPU backend's portable Numba kernels too
+BACKENDS = [(name, {}) for name in available_backends()]
+if "cpu" in available_backends():
+    BACKENDS.append(("cpu", {"kernels": "numba"}))
+REF = get_backend("numpy")
+
+# byte offsets of the f16 scale fields in each block (ggml-common.h)
+F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
+              Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_tensor(qtype, rows: int, cols: int, seed: int = 0) -> QTensor:
+    """A (rows, cols) tensor of random blocks of qtype (data: (rows, row_bytes) uint8)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, qtype)
+        return QTensor("w", qtype, (rows, cols), raw.reshape(rows, -1))
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // bs, ts), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        scales = rng.uniform(0.001, 0.02, (rows, cols // bs)).astype(np.float16)
+        raw[:, :, off:off + 2] = scales.view(np.uint8).reshape(rows, cols // bs, 2)
+    return QTensor("w", qtype, (rows, cols), raw.reshape(rows, -1))
+
+
+def int8_activation_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Largest error from rounding x (n, cols) to int8 per 32: (n, rows)."""
+    n, cols = x.shape
+    blockmax = np.abs(x).reshape(n, cols // 32, 32).max(-1, keepdims=True)
+    step = np.broadcast_to(blockmax, (n, cols // 32, 32)).reshape(n, cols) / 254.0
+    return step @ np.abs(w).T * 1.01 + 1e-4
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda p: "-".join([p[0], *p[1].values()]))
+def backend(request):
+    name, options = request.param
+    return get_backend(name, **options)
+
+
+@pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,cols", [(77, 256), (300, 512)])
+@pytest.mark.parametrize("n", [1, 3, 37])
+def test_matmul(backend, qtype, rows, cols, n):
+    tensor = random_tensor(qtype, rows, cols, seed=rows + n)
+    x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
+    bias = np.random.default_rng(1).standard_normal(rows).astype(np.float32)
+    w = dequantize(tensor.data, qtype).reshape(rows, cols)
+    want = x @ w.T + bias
+    got = backend.to_numpy(backend.matmul(backend.asarray(x), backend.prepare(tensor),
+                                          backend.asarray(bias)))
+    assert got.shape == (n, rows)
+    assert np.all(np.abs(got - want) <= int8_activation_bound(w, x) + 1e-4 * np.abs(want))
+
+
+@pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
+def test_embed_and_tied_output(backend, qtype):
+    tensor = random_tensor(qtype, 333, 256, seed=3)
+    ids = np.array([0, 5, 332, 5, 100])
+    table = backend.prepare_embedding(tensor)
+    want = REF.embed(REF.prepare_embedding(tensor), ids)
+    np.testing.assert_allclose(backend.to_numpy(backend.embed(table, ids)), want, rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_rms_norm(backend):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 3, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    got = backend.to_numpy(backend.rms_norm(backend.asarray(x), backend.asarray(w), 1e-6))
+    np.testing.assert_allclose(got, REF.rms_norm(x, w, 1e-6), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("n", [1, 7])
+def test_rope(backend, neox, n):
+    x = np.random.default_rng(n).standard_normal((n, 4, 64)).astype(np.float32)
+    pos = np.arange(100, 100 + n)
+    factors = np.linspace(1.0, 4.0, 32).astype(np.float32)
+    for kwargs in ({}, {"freq_factors": factors, "freq_scale": 0.5}):
+        got = backend.to_numpy(backend.rope(backend.asarray(x), pos, 1e6, neox, **kwargs))
+        np.testing.assert_allclose(got, REF.rope(x, pos, 1e6, neox, **kwargs), rtol=1e-4,
+                                   atol=1e-4)
+
+
+@pytest.mark.parametrize("n,T,window", [(1, 1, 0), (1, 50, 0), (9, 40, 0), (6, 70, 16)])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_attention(backend, n, T, window, softcap):
+    rng = np.random.default_rng(T)
+    q = rng.standard_normal((n, 8, 64)).astype(np.float32)
+    k = rng.standard_normal((T, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((T, 2, 64)).astype(np.float32)
+    qpos = np.arange(T - n, T)[:, None]
+    kpos = np.arange(T)[None, :]
+    mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
+    args = (backend.asarray(q), backend.asarray(k), backend.asarray(v), mask, 0.125, softcap)
+    got = backend.to_numpy(backend.attention(*args))
+    want = REF.attention(q, k, v, mask, 0.125, softcap)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_activations_and_softcap(backend):
+    rng = np.random.default_rng(0)
+    g, u = (rng.standard_normal((3, 100)).astype(np.float32) * 3 for _ in range(2))
+    for op in ("silu_mul", "gelu_tanh_mul"):
+        got = backend.to_numpy(getattr(backend, op)(backend.asarray(g), backend.asarray(u)))
+        np.testing.assert_allclose(got, getattr(REF, op)(g, u), rtol=1e-4, atol=1e-5)
+    got = backend.to_numpy(backend.softcap(backend.asarray(g * 20), 30.0))
+    np.testing.assert_allclose(got, REF.softcap(g * 20, 30.0), rtol=1e-5, atol=1e-5)
+    got = backend.to_numpy(backend.scale(backend.asarray(g), 2.5))
+    np.testing.assert_allclose(got, g * 2.5, rtol=1e-6)
