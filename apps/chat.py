@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from edgellm.chat import POLICIES, ChatEvent, ChatSession, Notice
+from edgellm.chat import ChatEvent, ChatSession, Notice
 
 from .chat_commands import ExitChat, ReplState, format_stats, is_command, run_command
 from .common import (
@@ -37,10 +37,7 @@ FENCE = '"""'
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgellm chat", description=__doc__.splitlines()[0])
     add_model_args(p)
-    _add_unless_present(p, "--policy", choices=POLICIES, default="truncate-turns",
-                        help="when the KV budget is full: drop the oldest turns "
-                             "(default), rotate, or error")
-    p.set_defaults(policy="truncate-turns")
+    p.set_defaults(policy="truncate-turns")  # chat drops whole old turns by default
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--verbose", dest="verbose", action="store_true", default=None,
                    help="a stats line after each reply (default in a terminal)")
@@ -50,14 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, max_tokens=512)
     add_draft_args(p)
     return p
-
-
-def _add_unless_present(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
-    """Add a flag that the shared model flags may already define."""
-    try:
-        parser.add_argument(flag, **kwargs)
-    except argparse.ArgumentError:
-        pass
 
 
 # -- output ---------------------------------------------------------------------------------

@@ -109,13 +109,15 @@ def describe_params(session: ChatSession) -> str:
 
 def cmd_show(state: ReplState, arg: str) -> None:
     s = state.session
-    kv_mb = getattr(s.cache, "nbytes", 0) / 1e6
+    kv_mib = s.cache.nbytes / 2**20
+    dtype = s.cache.config.dtype
     lines = [
         f"model    {s.model.name}  ({s.model.path})",
         f"backend  {s.model.backend.name}",
         f"params   {describe_params(s)}",
-        f"budget   {s.kv_used} / {s.kv_budget} tokens in the KV cache ({kv_mb:.0f} MB)",
-        f"policy   {s.policy}",
+        f"budget   {s.kv_used} / {s.kv_budget} tokens in the KV cache "
+        f"({dtype}, {kv_mib:.1f} MiB)",
+        f"policy   {s.policy}" + (f" (keep {s.cache.config.keep})" if s.policy == "rotate" else ""),
         f"system   {s.system or '(template default)'}",
         f"turns    {len(s.messages)} messages",
     ]

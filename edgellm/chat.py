@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from edgellm.cache import ContextOverflow
+from edgellm.cache import POLICIES, ContextOverflow
 from edgellm.generate import GenerationResponse, stream_generate
 from edgellm.sampling import SamplingParams
 
@@ -75,8 +75,6 @@ def render_chat(template: str | None, messages: Sequence[Message], *, bos_token:
 
 # -- conversation state --------------------------------------------------------------------
 
-#: How a chat handles a conversation that outgrows the KV budget (see docs: memory budget).
-POLICIES = ("truncate-turns", "rotate", "error")
 SESSION_FORMAT = 1  # version of the JSON written by ChatSession.save
 
 
@@ -219,7 +217,7 @@ class ChatSession:
         """
         common = _common_prefix_len(self._cached_ids, ids)
         common = min(common, len(ids) - 1, self.cache.offset)
-        if self.cache.offset - common > getattr(self.cache, "max_trim", lambda: common)():
+        if self.cache.offset - common > self.cache.max_trim():
             self._reset_cache()
             return 0
         self.cache.trim(self.cache.offset - common)
@@ -233,10 +231,7 @@ class ChatSession:
 
     def _make_cache(self, max_tokens: int | None = None) -> KVCache:
         """A cache with this session's overflow policy ("rotate" needs a rotating cache)."""
-        try:
-            return self.model.make_cache(max_tokens, policy=self.policy)
-        except TypeError:  # a Model whose caches take no policy (before budgeted caches)
-            return self.model.make_cache(max_tokens)
+        return self.model.make_cache(max_tokens, policy=self.policy)
 
     # -- one reply --------------------------------------------------------------------------
     def _reply(self) -> Iterator[ChatEvent]:
@@ -247,7 +242,8 @@ class ChatSession:
         pieces: list[str] = []
         last: GenerationResponse | None = None
         finished = broken = False
-        evicted = self._evicted()
+        evicted_before = self.cache.evicted
+        told = False
         try:
             for r in stream_generate(self.model, ids[reused:], self.params, cache=self.cache,
                                      history=ids[:reused], **self.generate_options):
@@ -255,9 +251,9 @@ class ChatSession:
                     tokens.append(r.token)
                 pieces.append(r.text)
                 last = r
-                if self._evicted() > evicted:  # a rotating cache let old tokens go
-                    yield self._rotation_notice(self._evicted() - evicted)
-                    evicted = self._evicted()
+                if not told and self.cache.evicted > evicted_before:  # once a turn
+                    told = True
+                    yield self._rotation_notice()
                 yield r
             finished = True
         except GeneratorExit:  # the consumer stopped between tokens: the cache is consistent
@@ -269,14 +265,11 @@ class ChatSession:
             self._end_turn(ids, reused, tokens, "".join(pieces), last,
                            cut=not finished, broken=broken)
 
-    def _evicted(self) -> int:
-        return getattr(self.cache, "evicted", 0)
-
-    def _rotation_notice(self, newly_evicted: int) -> Notice:
-        keep = getattr(getattr(self.cache, "config", None), "keep", 0)
-        return Notice("rotated", f"the KV budget of {self.kv_budget} tokens is full: "
-                                 f"{newly_evicted} more of the oldest tokens were let go "
-                                 f"(rotating; the first {keep} stay)")
+    def _rotation_notice(self) -> Notice:
+        """A rotating cache has begun letting the oldest tokens go (told once a turn)."""
+        return Notice("rotated", f"the KV budget of {self.kv_budget} tokens is full: rotating, "
+                                 f"{self.cache.evicted} of the oldest tokens let go so far "
+                                 f"(the first {self.cache.config.keep} stay)")
 
     def _end_turn(self, ids: list[int], reused: int, tokens: list[int], text: str,
                   last: GenerationResponse | None, cut: bool, broken: bool) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from edgellm.cache import ContextOverflow
+from edgellm.cache import CacheConfig, ContextOverflow
 from edgellm.chat import ChatSession, Notice, render_chat
 from edgellm.generate import GenerationResponse
 from edgellm.sampling import SamplingParams
@@ -29,6 +29,7 @@ class FakeCache:
         self.tokens: list[int] = []
         self.nbytes = 0
         self.evicted = 0  # never rotates
+        self.config = CacheConfig(policy="truncate-turns")
 
     @property
     def offset(self) -> int:
@@ -85,6 +86,8 @@ class FakeModel:
     """Characters are tokens; the ChatML fallback template."""
 
     name = "fake"
+    path = "fake.gguf"
+    backend = type("FakeBackend", (), {"name": "fake"})()
 
     def __init__(self, context: int = 4096):
         self.net = FakeNet()
