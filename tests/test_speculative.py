@@ -229,3 +229,14 @@ def test_real_pair_greedy_equals_plain(model_path):
                                          draft=draft))
         assert [r.token for r in responses] == plain
     assert responses[-1].extra["speculative"]["target_passes"] <= 24
+
+
+def test_benchmark_prompts_are_stdlib_headers_with_docstrings():
+    from edgellm.speculative_bench import STDLIB_FUNCTIONS, markdown_table, stdlib_prompt
+
+    for function in STDLIB_FUNCTIONS:
+        text = stdlib_prompt(function)
+        assert text.startswith(f"def {function[1]}(") and text.rstrip()[-1] in "\"'"
+    row = {"prompt": "x.f", "plain_tps": 10.0, "spec_tps": 13.0, "speedup": 1.3,
+           "same_output": True, "acceptance_rate": 0.8}
+    assert "1.30x" in markdown_table([row])
