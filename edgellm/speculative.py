@@ -330,6 +330,7 @@ class DraftLengthController:
         self.probe_every = probe_every
         self.passes: deque[tuple[int, float]] = deque(maxlen=48)  # (tokens, seconds)
         self.plain_steps = 0
+        self.unpaid_draft_seconds = 0.0
 
     def next_length(self) -> int:
         """k for the next round (max_k 7 keeps a verification pass at <= 8 tokens, the batch
@@ -356,6 +357,8 @@ class DraftLengthController:
             base = float(ts.mean()) / (1 + 0.08 * (float(ns.mean()) - 1))
             return base * (1 + 0.08 * (n - 1))
         slope, intercept = np.polyfit(ns, ts, 1)
+        if slope < 0:  # noise: a bigger pass is never cheaper; take them as equal
+            return float(ts.mean())
         return max(float(intercept + slope * n), 1e-6)
 
     def best_length(self) -> int:
@@ -374,8 +377,11 @@ class DraftLengthController:
                target_seconds: float) -> None:
         """Measurements of one round: k drafted, j accepted, and what each side cost."""
         self.passes.append((target_tokens, target_seconds))
-        if drafted == 0:
+        if drafted == 0:  # a draft pass that proposed nothing is charged to the next tokens
+            self.unpaid_draft_seconds += draft_seconds
             return
+        draft_seconds += self.unpaid_draft_seconds
+        self.unpaid_draft_seconds = 0.0
         s = self.smoothing
         # every drafted token up to and including the first rejection is an observation
         for ok in [True] * accepted + [False] * (accepted < drafted):
