@@ -6,9 +6,11 @@ import importlib
 
 from .base import Backend
 
-# name -> (module, class); modules are relative to this package.
-_REGISTRY: dict[str, tuple[str, str]] = {
+# name -> (module, class[, preset options]); modules are relative to this package.
+_REGISTRY: dict[str, tuple] = {
     "numpy": (".numpy_backend", "NumpyBackend"),
+    # the reference with llama.cpp's 8-bit activation rounding (for comparisons with it)
+    "numpy-ggml": (".numpy_backend", "NumpyBackend", {"ggml_activations": True}),
     "cpu": (".cpu", "CpuBackend"),
 }
 
@@ -40,9 +42,9 @@ def get_backend(name: str = "auto", **options) -> Backend:
         raise RuntimeError("no backend works here: " + "; ".join(errors))
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}: choose one of auto, {', '.join(_REGISTRY)}")
-    module, cls = _REGISTRY[name]
+    module, cls, *preset = _REGISTRY[name]
     backend_cls = getattr(importlib.import_module(module, __name__), cls)
-    return backend_cls(**options)
+    return backend_cls(**(preset[0] if preset else {}), **options)
 
 
 __all__ = ["Backend", "get_backend", "available_backends", "AUTO_ORDER"]

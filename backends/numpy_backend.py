@@ -3,6 +3,13 @@
 Weights are dequantized to f32 once at ``prepare`` (memory-hungry: 4 bytes a parameter) so
 every op is one obvious numpy expression; the embedding table stays quantized and rows are
 dequantized on demand, since a lookup touches only a few of them.
+
+``ggml_activations=True`` (backend name "numpy-ggml") rounds each matmul's activations the
+way llama.cpp's CPU dot products do before multiplying: to 8 bits per 256-value block (Q8_K)
+against K-quant weights, per 32-value block (Q8_0) against the other block types. That is
+the one place where llama.cpp's numerics differ from f32 by more than rounding noise: on the
+first token of a sequence, Qwen2.5-1.5B has activations in the thousands, and 8-bit blocks
+flatten everything next to them, so llama.cpp's first-position logits are not an f32 model's.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgellm.converters.gguf_reader import QTensor
-from edgellm.quants import dequantize
+from edgellm.quants import Q, dequantize
 
 from .base import Backend
 
@@ -25,6 +32,37 @@ class QuantizedTable:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return dequantize(np.asarray(self.tensor.data[ids]), self.tensor.qtype)
+
+
+@dataclass
+class DenseWeight:
+    """A weight dequantized to f32 (out, in), remembering the block type it came from."""
+
+    values: np.ndarray
+    qtype: Q
+
+
+K_QUANTS = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+
+
+def round_activations_like_ggml(x: np.ndarray, qtype: Q) -> np.ndarray:
+    """x (n, in) as llama.cpp quantizes it for a dot product with a ``qtype`` weight."""
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        return x
+    block = 256 if qtype in K_QUANTS else 32
+    n, d = x.shape
+    xb = x.reshape(n, d // block, block)
+    # the signed value of largest magnitude in each block: (n, blocks, 1)
+    peak = np.take_along_axis(xb, np.abs(xb).argmax(-1)[..., None], -1)
+    safe = np.where(peak == 0, 1.0, peak)
+    if block == 256:  # Q8_K: q = min(127, round(-127/peak * x)), f32 scale
+        q = np.minimum(127.0, np.rint(-127.0 / safe * xb))
+        scale = np.where(peak == 0, 0.0, -safe / 127.0)
+    else:  # Q8_0: q = round(x / d), d = |peak| / 127 stored as f16
+        d32 = np.abs(peak) / 127.0
+        q = np.rint(xb / np.where(d32 == 0, 1.0, d32))
+        scale = d32.astype(np.float16).astype(np.float32)
+    return (q * scale).reshape(n, d).astype(np.float32)
 
 
 def rope_angles(positions: np.ndarray, hd: int, theta: float,
@@ -42,9 +80,15 @@ class NumpyBackend(Backend):
 
     name = "numpy"
 
-    def prepare(self, tensor: QTensor) -> np.ndarray:
-        # (out, in) f32
-        return np.ascontiguousarray(tensor.dequantize(), dtype=np.float32)
+    def __init__(self, threads: int | None = None, ggml_activations: bool = False):
+        super().__init__(threads)
+        self.ggml_activations = ggml_activations
+        if ggml_activations:
+            self.name = "numpy-ggml"
+
+    def prepare(self, tensor: QTensor) -> DenseWeight:
+        return DenseWeight(np.ascontiguousarray(tensor.dequantize(), dtype=np.float32),
+                           tensor.qtype)
 
     def prepare_embedding(self, tensor: QTensor) -> QuantizedTable:
         return QuantizedTable(tensor)
@@ -63,10 +107,10 @@ class NumpyBackend(Backend):
             return table.rows(np.asarray(ids))
         return np.asarray(table[np.asarray(ids)], dtype=np.float32)
 
-    def matmul(self, x: np.ndarray, weight, bias=None) -> np.ndarray:
-        if isinstance(weight, QuantizedTable):  # tied output over a quantized table
-            weight = self.prepare(weight.tensor)
-        out = x @ weight.T
+    def matmul(self, x: np.ndarray, weight: DenseWeight, bias=None) -> np.ndarray:
+        if self.ggml_activations:
+            x = round_activations_like_ggml(x, weight.qtype)
+        out = x @ weight.values.T
         return out + bias if bias is not None else out
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
