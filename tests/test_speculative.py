@@ -240,3 +240,18 @@ def test_benchmark_prompts_are_stdlib_headers_with_docstrings():
     row = {"prompt": "x.f", "plain_tps": 10.0, "spec_tps": 13.0, "speedup": 1.3,
            "same_output": True, "acceptance_rate": 0.8}
     assert "1.30x" in markdown_table([row])
+
+
+def test_generate_cli_with_draft_prints_the_same_ids_and_stats(tiny, capsys):
+    import json
+
+    from edgellm.apps.generate import main
+
+    common = ["-m", str(tiny.target.path), "-p", "hello world", "--temp", "0", "-n", "12",
+              "--ignore-eos", "--json"]
+    assert main(common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*common, "--draft", str(tiny.q8.path), "--draft-n", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["ids"] == plain["ids"]
+    assert spec["speculative"]["target_passes"] < 12 <= spec["timings"]["generated_tokens"]
