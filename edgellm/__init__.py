@@ -4,7 +4,9 @@
     model = edgellm.load("qwen2.5-coder-0.5b-instruct")
     print(edgellm.generate(model, "def fibonacci(n):", edgellm.SamplingParams(temperature=0)))
 
-Names are imported lazily so that ``import edgellm`` stays cheap.
+The generators and SamplingParams need only numpy and are imported at once (``generate``
+must be bound after the submodule of the same name); ``load`` and ``Model`` (tokenizers,
+jinja2, gguf) are imported on first use.
 """
 
 from __future__ import annotations
@@ -14,14 +16,12 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+from edgellm.generate import GenerationResponse, generate, generate_step, stream_generate
+from edgellm.sampling import SamplingParams
+
 _EXPORTS = {
     "load": "edgellm.api",
     "Model": "edgellm.api",
-    "SamplingParams": "edgellm.sampling",
-    "generate": "edgellm.generate",
-    "stream_generate": "edgellm.generate",
-    "generate_step": "edgellm.generate",
-    "GenerationResponse": "edgellm.generate",
     "pull": "edgellm.store",
 }
 
@@ -32,4 +32,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'edgellm' has no attribute {name!r}")
 
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [*_EXPORTS, "GenerationResponse", "SamplingParams", "generate", "generate_step",
+           "stream_generate", "__version__"]

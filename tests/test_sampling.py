@@ -1,0 +1,78 @@
+"""SamplingParams and the sampler: each knob does what it says, on plain logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgellm.generate import StopMatcher
+from edgellm.sampling import SamplingParams, apply_penalties, make_sampler, probabilities
+
+LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.06, 0.04], dtype=np.float32))
+
+
+def test_greedy_is_argmax_and_deterministic():
+    sample = make_sampler(SamplingParams(temperature=0))
+    assert {sample(LOGITS) for _ in range(20)} == {0}
+
+
+def test_top_k_keeps_k_tokens():
+    p = probabilities(LOGITS, SamplingParams(temperature=1, top_k=2, top_p=1, min_p=0))
+    assert np.count_nonzero(p) == 2 and p[:2].sum() == pytest.approx(1)
+    assert p[0] / p[1] == pytest.approx(2.0, rel=1e-5)
+
+
+def test_top_p_keeps_the_token_that_crosses_p():
+    p = probabilities(LOGITS, SamplingParams(temperature=1, top_k=0, top_p=0.8, min_p=0))
+    assert np.flatnonzero(p).tolist() == [0, 1, 2]  # 0.5 + 0.25 < 0.8 <= 0.9
+
+
+def test_min_p_is_relative_to_the_top_token():
+    p = probabilities(LOGITS, SamplingParams(temperature=1, top_k=0, top_p=1, min_p=0.25))
+    assert np.flatnonzero(p).tolist() == [0, 1, 2]  # >= 0.25 * 0.5, 0.06 is not
+
+
+def test_temperature_sharpens_and_flattens():
+    cold = probabilities(LOGITS, SamplingParams(temperature=0.5, top_k=0, top_p=1, min_p=0))
+    hot = probabilities(LOGITS, SamplingParams(temperature=2.0, top_k=0, top_p=1, min_p=0))
+    assert cold[0] > 0.5 > hot[0]
+
+
+def test_seed_reproduces_draws_and_follows_distribution():
+    params = SamplingParams(temperature=1, top_k=0, top_p=1, min_p=0, seed=7)
+    a = [make_sampler(params)(LOGITS) for _ in range(1)]
+    sample = make_sampler(params)
+    draws = np.array([sample(LOGITS) for _ in range(4000)])
+    again = make_sampler(params)
+    assert a[0] == draws[0] == again(LOGITS)
+    freq = np.bincount(draws, minlength=5) / len(draws)
+    np.testing.assert_allclose(freq, np.exp(LOGITS), atol=0.03)
+
+
+def test_repetition_penalty_like_llama_cpp():
+    logits = np.array([2.0, -2.0, 1.0], dtype=np.float32)
+    out = apply_penalties(logits, [0, 1], SamplingParams(repetition_penalty=2.0))
+    np.testing.assert_allclose(out, [1.0, -4.0, 1.0])  # divide positive, multiply negative
+
+
+def test_presence_and_frequency_penalties():
+    logits = np.zeros(3, dtype=np.float32)
+    out = apply_penalties(logits, [1, 1, 2], SamplingParams(presence_penalty=0.5,
+                                                            frequency_penalty=0.25))
+    np.testing.assert_allclose(out, [0.0, -1.0, -0.75])
+
+
+def test_invalid_params_are_refused():
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(min_p=1.5), dict(max_tokens=-1)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_stop_matcher_holds_back_partial_stops():
+    m = StopMatcher(["\n\nUser:"])
+    assert m.feed("Hello\n") == ("Hello", False)
+    assert m.feed("\nUs") == ("", False)
+    assert m.feed("er: hi") == ("", True)
+    m = StopMatcher(["END"])
+    assert m.feed("the EN") == ("the ", False)
+    assert m.feed("gine") == ("ENgine", False)
