@@ -39,7 +39,8 @@ def add_model_args(parser: argparse.ArgumentParser, default_model: bool = True) 
     --policy, --keep."""
     parser.add_argument("-m", "--model", default=store.DEFAULT_MODEL if default_model else None,
                         required=not default_model,
-                        help=f"catalog name or path to a .gguf file (default: {store.DEFAULT_MODEL})")
+                        help="catalog name or path to a .gguf file "
+                        f"(default: {store.DEFAULT_MODEL})")
     parser.add_argument("--backend", default="auto", help="auto, cpu, numpy, torch, mlx")
     parser.add_argument("-t", "--threads", type=int, default=None,
                         help="CPU threads (default: physical cores)")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import ensure_model
 from edgellm import store
+
+from .common import ensure_model
 
 
 def main(argv: list[str], command: str = "tokenize") -> int:

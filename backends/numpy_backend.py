@@ -66,7 +66,8 @@ def round_activations_like_ggml(x: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 def rope_angles(positions: np.ndarray, hd: int, theta: float,
-                freq_factors: np.ndarray | None, freq_scale: float) -> tuple[np.ndarray, np.ndarray]:
+                freq_factors: np.ndarray | None,
+                freq_scale: float) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin tables (n, hd/2) for positions (n,): pair i turns at theta^(-2i/hd)."""
     inv_freq = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd) * freq_scale
     if freq_factors is not None:

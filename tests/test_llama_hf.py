@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers")
 TOKENS = [1, 260, 300 - 3, 17, 42, 99, 270, 5, 288, 261, 250, 13, 7, 7, 7, 290]
 
 
-def hf_logits(cfg: TinyConfig, seed: int, tokens: list[int], round_trip: bool = False) -> np.ndarray:
+def hf_logits(cfg: TinyConfig, seed: int, tokens: list[int],
+              round_trip: bool = False) -> np.ndarray:
     """transformers' logits; ``round_trip`` feeds it the weights as quantized in the GGUF."""
     hf_cfg = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,

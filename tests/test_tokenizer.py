@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-from edgellm.converters.gguf_reader import read_gguf
 
+from edgellm.converters.gguf_reader import read_gguf
 from edgellm.tokenizer import StreamingDetokenizer, Tokenizer
 
 # catalog name -> reference file prefix
