@@ -101,11 +101,12 @@ def test_rope(backend, neox, n):
 
 @pytest.mark.parametrize("n,T,window", [(1, 1, 0), (1, 50, 0), (9, 40, 0), (6, 70, 16)])
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
-def test_attention(backend, n, T, window, softcap):
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_attention(backend, n, T, window, softcap, kv_dtype):
     rng = np.random.default_rng(T)
     q = rng.standard_normal((n, 8, 64)).astype(np.float32)
-    k = rng.standard_normal((T, 2, 64)).astype(np.float32)
-    v = rng.standard_normal((T, 2, 64)).astype(np.float32)
+    k = rng.standard_normal((T, 2, 64)).astype(kv_dtype)  # the cache's storage type
+    v = rng.standard_normal((T, 2, 64)).astype(kv_dtype)
     qpos = np.arange(T - n, T)[:, None]
     kpos = np.arange(T)[None, :]
     mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)

@@ -28,8 +28,10 @@ from .numba_quant import CODES, F16_TABLE, dequant_rows, matvec
 
 #: below this many tokens a matmul runs the integer mat-vec kernels; above, tiles + BLAS
 MATVEC_MAX_TOKENS = 8
-#: f32 bytes of one decoded weight tile in prefill (fits L2 with room for activations)
-TILE_BYTES = 2 << 20
+#: up to this many query tokens attention runs the Numba kernel; above, BLAS (reference)
+ATTENTION_KERNEL_MAX_TOKENS = 16
+#: f32 bytes of one decoded weight tile in prefill (large enough for BLAS to run at speed)
+TILE_BYTES = 16 << 20
 
 
 @dataclass
@@ -140,17 +142,25 @@ class CpuBackend(NumpyBackend):
         return out
 
     def _matmul_tiled(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
-        out = np.empty((x.shape[0], w.rows), dtype=np.float32)  # (n, out)
-        tile_rows = max(16, TILE_BYTES // (4 * w.cols))
-        tile = np.empty((min(tile_rows, w.rows), w.cols), dtype=np.float32)
+        out_t = np.empty((w.rows, x.shape[0]), dtype=np.float32)  # (out, n): tiles are rows
+        tile_rows = max(64, TILE_BYTES // (4 * w.cols))
+        tile = np.empty((min(tile_rows, w.rows), w.cols), dtype=np.float32)  # (tile, in)
         for r0 in range(0, w.rows, tile_rows):
             r1 = min(w.rows, r0 + tile_rows)
-            ids = np.arange(r0, r1, dtype=np.int64)
-            dequant_rows(w.code, w.data, ids, tile[: r1 - r0], F16_TABLE)
-            np.matmul(x, tile[: r1 - r0].T, out=out[:, r0:r1])
-        return out
+            dequant_rows(w.code, w.data, np.arange(r0, r1, dtype=np.int64), tile[: r1 - r0],
+                         F16_TABLE)
+            np.matmul(tile[: r1 - r0], x.T, out=out_t[r0:r1])
+        return np.ascontiguousarray(out_t.T)  # (n, out)
 
     # -- fused elementwise ops (Numba) ------------------------------------------------------
     def rms_norm(self, x, weight, eps):
         return numba_ops.rms_norm(np.ascontiguousarray(x, dtype=np.float32), weight,
                                   np.float32(eps))
+
+    def rope(self, x, positions, theta, neox, freq_factors=None, freq_scale=1.0):
+        return numba_ops.rope(x, positions, theta, neox, freq_factors, freq_scale)
+
+    def attention(self, q, k, v, mask, scale, softcap=0.0):
+        if q.shape[0] > ATTENTION_KERNEL_MAX_TOKENS or k.dtype not in (np.float16, np.float32):
+            return super().attention(q, k, v, mask, scale, softcap)  # prefill: matrix products
+        return numba_ops.attention(q, k, v, mask, scale, softcap, F16_TABLE)

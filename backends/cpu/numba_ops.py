@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from numba.extending import overload
 
 _JIT = dict(cache=True, fastmath=True, boundscheck=False, error_model="numpy")
 
@@ -27,3 +28,97 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
     out = np.empty_like(flat)
     _rms_norm_rows(flat, np.asarray(weight, dtype=np.float32), eps, out)
     return out.reshape(x.shape)
+
+
+@nb.njit(**_JIT)
+def _rope(x, positions, inv_freq, neox, out):
+    """x, out (n, heads, hd); positions (n,); inv_freq (hd/2,) f64."""
+    n, heads, hd = x.shape
+    half = hd // 2
+    for t in range(n):
+        for i in range(half):
+            angle = positions[t] * inv_freq[i]
+            c, s = np.float32(np.cos(angle)), np.float32(np.sin(angle))
+            for h in range(heads):
+                if neox:
+                    a, b = x[t, h, i], x[t, h, i + half]
+                    out[t, h, i] = a * c - b * s
+                    out[t, h, i + half] = a * s + b * c
+                else:
+                    a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
+                    out[t, h, 2 * i] = a * c - b * s
+                    out[t, h, 2 * i + 1] = a * s + b * c
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool,
+         freq_factors: np.ndarray | None = None, freq_scale: float = 1.0) -> np.ndarray:
+    """Rotary embedding of x (n, heads, hd) at positions (n,); see Backend.rope."""
+    hd = x.shape[-1]
+    inv_freq = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd) * freq_scale
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    _rope(x, np.asarray(positions, dtype=np.float64), inv_freq, bool(neox), out)
+    return out
+
+
+def _load(a, t, h, i, tab):
+    """a[t, h, i] as f32: a is f32, or f16 bit patterns (uint16) decoded through tab."""
+
+
+@overload(_load, inline="always")
+def _load_impl(a, t, h, i, tab):
+    if a.dtype == nb.types.uint16:
+        return lambda a, t, h, i, tab: tab[a[t, h, i]]
+    return lambda a, t, h, i, tab: np.float32(a[t, h, i])
+
+
+@nb.njit(**_JIT)
+def _attention(q, k, v, mask, scale, softcap, tab, out):
+    """q (n, H, hd); k, v (T, KVH, hd); mask (n, T) bool -> out (n, H, hd)."""
+    n, n_heads, hd = q.shape
+    T, n_kv = k.shape[0], k.shape[1]
+    group = n_heads // n_kv
+    scores = np.empty(T, dtype=np.float32)
+    acc = np.empty(hd, dtype=np.float32)
+    for t in range(n):
+        for h in range(n_heads):
+            kh = h // group
+            best = np.float32(-np.inf)
+            for j in range(T):
+                if not mask[t, j]:
+                    scores[j] = -np.inf
+                    continue
+                s = np.float32(0.0)
+                for i in range(hd):
+                    s += q[t, h, i] * _load(k, j, kh, i, tab)
+                s *= scale
+                if softcap > 0:
+                    s = softcap * np.tanh(s / softcap)
+                scores[j] = s
+                best = max(best, s)
+            total = np.float32(0.0)
+            acc[:] = 0.0
+            for j in range(T):
+                if mask[t, j]:
+                    p = np.exp(scores[j] - best)
+                    total += p
+                    for i in range(hd):
+                        acc[i] += p * _load(v, j, kh, i, tab)
+            for i in range(hd):
+                out[t, h, i] = acc[i] / total
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float,
+              softcap: float, f16_table: np.ndarray) -> np.ndarray:
+    """Softmax attention with grouped KV heads over an f32 or f16 cache; see Backend."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    if k.dtype == np.float16:
+        k, v = k.view(np.uint16), v.view(np.uint16)
+    else:
+        k, v = np.asarray(k, dtype=np.float32), np.asarray(v, dtype=np.float32)
+    out = np.empty_like(q)
+    _attention(q, k, v, np.ascontiguousarray(mask), np.float32(scale), np.float32(softcap),
+               f16_table, out)
+    return out

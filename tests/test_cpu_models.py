@@ -1,0 +1,57 @@
+"""The CPU backend's decode path (int8 mat-vec kernels, one token per forward pass) on the three
+real models, teacher-forced against llama.cpp's greedy outputs.
+
+tests/test_models.py already checks every backend with one forward pass over prompt + greedy
+ids, which runs the prefill (tiled) path; this runs the prompt as prefill and then each greedy
+token alone, as generation does, with the same bounds: top-1 equal at >= 97% of positions and
+at every position whose reference margin is >= 1.0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import edgellm
+from edgellm.backends import available_backends
+from tests.reference_checks import load_reference
+
+MODELS = ["qwen2.5-coder-0.5b-instruct", "gemma-3-270m", "qwen2.5-coder-1.5b-instruct"]
+ENTRIES = 3  # prompts per model (of 8): keeps the 1.5B under a minute on two cores
+
+pytestmark = pytest.mark.skipif("cpu" not in available_backends(), reason="no cpu backend")
+
+
+def decode_agreement(model, reference: dict) -> tuple[int, int, float]:
+    """(matches, positions, largest missed margin) over prefill + token-by-token decode."""
+    matches = positions = 0
+    worst = 0.0
+    for entry in reference["generate"][:ENTRIES]:
+        prompt, greedy = entry["prompt_ids"], entry["greedy_ids"]
+        cache = model.make_cache(len(prompt) + len(greedy) + 8)
+        logits = model.net.forward(np.asarray(prompt), cache)
+        for step, (want, margin) in enumerate(zip(greedy, entry["top1_margin"], strict=True)):
+            positions += 1
+            if int(logits[-1].argmax()) == want:
+                matches += 1
+            else:
+                worst = max(worst, float(margin))
+            if step + 1 < len(greedy):
+                logits = model.net.forward(np.asarray([want]), cache)
+    return matches, positions, worst
+
+
+@pytest.mark.parametrize("kernels", ["auto", "numba"])
+@pytest.mark.parametrize("name", MODELS)
+def test_decode_teacher_forced_matches_llama_cpp(model_path, name, kernels):
+    if kernels == "numba" and name != "gemma-3-270m":
+        pytest.skip("the Numba kernels run on the smallest model only, to keep tests short")
+    model_path(name)
+    model = edgellm.load(name, backend="cpu")
+    if kernels != "auto":
+        model.net.backend.__init__(threads=model.net.backend.threads, kernels=kernels)
+    matches, positions, worst = decode_agreement(model, load_reference(name))
+    print(f"{name} [cpu/{model.net.backend.kernels}]: {matches}/{positions}, "
+          f"largest missed margin {worst:.3f}")
+    assert matches / positions >= 0.97
+    assert worst < 1.0
