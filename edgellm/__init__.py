@@ -22,6 +22,7 @@ from edgellm.sampling import SamplingParams
 _EXPORTS = {
     "load": "edgellm.api",
     "Model": "edgellm.api",
+    "ChatSession": "edgellm.chat",
     "pull": "edgellm.store",
 }
 
