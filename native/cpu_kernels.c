@@ -9,7 +9,7 @@
  *
  * dot32 below is vpdpbusd (AVX-512 VNNI) or vpmaddubsw + vpmaddwd (AVX2). Block layouts follow
  * ggml-common.h. Built by native/cpu_kernels.py with -mavx2 (and -mavx512vnni where present);
- * never with AMX.
+ * never with AMX. Threads: a small pool of pthreads (below), no OpenMP.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -289,15 +289,114 @@ void ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, i
     }
 }
 
-/* The same, split over nthreads OpenMP threads by row ranges. */
+/* ---- a small thread pool without barriers -------------------------------------------------
+ * A mat-vec is split into chunks of rows. The caller publishes the job and works through
+ * chunks itself; helper threads claim chunks with a compare-and-swap on one 64-bit word
+ * (generation | chunk count | next chunk), so a helper that wakes late finds the job taken and
+ * costs nothing: on a busy machine nobody waits for a descheduled thread to arrive, only for
+ * chunks already claimed to finish. Helpers spin briefly, then sleep on a condition variable.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+
+#define CHUNK_ROWS 16
+#define MAX_HELPERS 63
+#define SPIN_ITERS 5000  /* ~0.2 ms of pause before sleeping */
+
+typedef struct {
+    int qtype, rows, cols, n;
+    const uint8_t *w;
+    int64_t row_bytes;
+    const int8_t *xq;
+    const float *xd;
+    const int32_t *xs;
+    float *out;
+} job_t;
+
+static job_t g_job;
+static _Atomic uint64_t g_ctr;  /* gen (24 bits) | nchunks (20) | next (20) */
+static atomic_int g_done, g_sleeping;
+static int g_helpers;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time */
+
+#define CTR(gen, nch, next) (((uint64_t)(gen) << 40) | ((uint64_t)(nch) << 20) | (uint64_t)(next))
+
+static void run_chunk(int c) {
+    const job_t *j = &g_job;
+    int r0 = c * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < j->rows ? r0 + CHUNK_ROWS : j->rows;
+    ek_matvec(j->qtype, j->w, j->row_bytes, r0, r1, j->cols, j->xq, j->xd, j->xs, j->n, j->out,
+              j->rows);
+}
+
+/* Claim and run chunks of the job whose generation is gen, until none are left. */
+static void work(uint64_t gen) {
+    uint64_t v = atomic_load(&g_ctr);
+    for (;;) {
+        uint64_t nch = (v >> 20) & 0xFFFFF, next = v & 0xFFFFF;
+        if ((v >> 40) != gen || next >= nch) return;
+        if (atomic_compare_exchange_weak(&g_ctr, &v, v + 1)) {
+            run_chunk((int)next);
+            atomic_fetch_add(&g_done, 1);
+            v = atomic_load(&g_ctr);
+        }
+    }
+}
+
+static void *helper_main(void *arg) {
+    (void)arg;
+    uint64_t seen = atomic_load(&g_ctr) >> 40;
+    for (;;) {
+        uint64_t gen = seen;
+        for (int i = 0; i < SPIN_ITERS && gen == seen; i++) {
+            _mm_pause();
+            gen = atomic_load(&g_ctr) >> 40;
+        }
+        if (gen == seen) {
+            pthread_mutex_lock(&g_mu);
+            atomic_fetch_add(&g_sleeping, 1);
+            while ((gen = atomic_load(&g_ctr) >> 40) == seen) pthread_cond_wait(&g_cv, &g_mu);
+            atomic_fetch_sub(&g_sleeping, 1);
+            pthread_mutex_unlock(&g_mu);
+        }
+        seen = gen;
+        work(gen);
+    }
+    return 0;
+}
+
+static void ensure_helpers(int n) {
+    while (g_helpers < n && g_helpers < MAX_HELPERS) {
+        pthread_t t;
+        if (pthread_create(&t, 0, helper_main, 0) != 0) return;
+        pthread_detach(t);
+        g_helpers++;
+    }
+}
+
+/* ek_matvec over all rows with nthreads threads (the caller and nthreads - 1 helpers). */
 void ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
                   const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
                   int nthreads) {
-    const int chunk = 16;
-    const int nchunks = (rows + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 4)
-    for (int c = 0; c < nchunks; c++) {
-        int r1 = (c + 1) * chunk < rows ? (c + 1) * chunk : rows;
-        ek_matvec(qtype, w, row_bytes, c * chunk, r1, cols, xq, xd, xs, n, out, rows);
+    const int nchunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    if (nthreads <= 1 || nchunks < 2 || nchunks >= (1 << 20)) {
+        ek_matvec(qtype, w, row_bytes, 0, rows, cols, xq, xd, xs, n, out, rows);
+        return;
     }
+    pthread_mutex_lock(&g_call_mu);
+    ensure_helpers(nthreads - 1);
+    job_t j = {qtype, rows, cols, n, w, row_bytes, xq, xd, xs, out};
+    g_job = j;
+    atomic_store(&g_done, 0);
+    uint64_t gen = ((atomic_load(&g_ctr) >> 40) + 1) & 0xFFFFFF;
+    atomic_store(&g_ctr, CTR(gen, nchunks, 0));
+    if (atomic_load(&g_sleeping) > 0) {
+        pthread_mutex_lock(&g_mu);
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+    }
+    work(gen);
+    while (atomic_load(&g_done) < nchunks) _mm_pause();
+    pthread_mutex_unlock(&g_call_mu);
 }

@@ -72,7 +72,7 @@ def cache_dir() -> Path:
 def _build(variant: str) -> Path:
     import cffi
 
-    flags = ["-O3", "-fopenmp", "-fno-math-errno"] + VARIANTS[variant][1]
+    flags = ["-O3", "-pthread", "-fno-math-errno"] + VARIANTS[variant][1]
     key = hashlib.sha256((SOURCE.read_text() + CDEF + " ".join(flags)).encode()).hexdigest()[:12]
     name = f"_edgellm_cpu_{variant}_{key}"
     out_dir = cache_dir()
@@ -83,7 +83,7 @@ def _build(variant: str) -> Path:
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     ffi.set_source(name, SOURCE.read_text(), extra_compile_args=flags,
-                   extra_link_args=["-fopenmp"])
+                   extra_link_args=["-pthread"])
     return Path(ffi.compile(tmpdir=str(out_dir)))
 
 

@@ -17,16 +17,18 @@ from edgellm.backends import available_backends
 from tests.reference_checks import load_reference
 
 MODELS = ["qwen2.5-coder-0.5b-instruct", "gemma-3-270m", "qwen2.5-coder-1.5b-instruct"]
-ENTRIES = 3  # prompts per model (of 8): keeps the 1.5B under a minute on two cores
+# prompts per model (of 8): the 1.5B uses fewer to stay under a minute on two cores
+ENTRIES = {"qwen2.5-coder-0.5b-instruct": 8, "gemma-3-270m": 8, "qwen2.5-coder-1.5b-instruct": 4}
+NUMBA_ENTRIES = 2  # the slower portable kernels: margins only (too few positions for a rate)
 
 pytestmark = pytest.mark.skipif("cpu" not in available_backends(), reason="no cpu backend")
 
 
-def decode_agreement(model, reference: dict) -> tuple[int, int, float]:
+def decode_agreement(model, reference: dict, entries: int) -> tuple[int, int, float]:
     """(matches, positions, largest missed margin) over prefill + token-by-token decode."""
     matches = positions = 0
     worst = 0.0
-    for entry in reference["generate"][:ENTRIES]:
+    for entry in reference["generate"][:entries]:
         prompt, greedy = entry["prompt_ids"], entry["greedy_ids"]
         cache = model.make_cache(len(prompt) + len(greedy) + 8)
         logits = model.net.forward(np.asarray(prompt), cache)
@@ -50,8 +52,10 @@ def test_decode_teacher_forced_matches_llama_cpp(model_path, name, kernels):
     model = edgellm.load(name, backend="cpu")
     if kernels != "auto":
         model.net.backend.__init__(threads=model.net.backend.threads, kernels=kernels)
-    matches, positions, worst = decode_agreement(model, load_reference(name))
+    entries = ENTRIES[name] if kernels == "auto" else NUMBA_ENTRIES
+    matches, positions, worst = decode_agreement(model, load_reference(name), entries)
     print(f"{name} [cpu/{model.net.backend.kernels}]: {matches}/{positions}, "
           f"largest missed margin {worst:.3f}")
-    assert matches / positions >= 0.97
     assert worst < 1.0
+    if kernels == "auto":
+        assert matches / positions >= 0.97

@@ -13,6 +13,7 @@ both lookup and output from the same bytes and resident memory stays near the fi
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
@@ -24,7 +25,8 @@ from edgellm.quants import Q
 
 from ..numpy_backend import NumpyBackend
 from . import numba_ops
-from .numba_quant import CODES, F16_TABLE, dequant_rows, matvec
+from .blas_threads import blas_threads
+from .numba_quant import CODES, F16_TABLE, dequant_rows, dequant_rows_serial, matvec
 
 #: below this many tokens a matmul runs the integer mat-vec kernels; above, tiles + BLAS
 MATVEC_MAX_TOKENS = 8
@@ -88,6 +90,7 @@ class CpuBackend(NumpyBackend):
             raise RuntimeError("C kernels requested but they do not build here "
                                "(need x86 AVX2, a C compiler and cffi: pip install cffi)")
         self.kernels = "c" if self.native is not None else "numba"
+        self._pool: ThreadPoolExecutor | None = None  # prefill workers, started on first use
 
     # -- weights -------------------------------------------------------------------------
     def prepare(self, tensor: QTensor):
@@ -142,15 +145,25 @@ class CpuBackend(NumpyBackend):
         return out
 
     def _matmul_tiled(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
+        """Prefill: each worker decodes a tile of rows to f32 and multiplies it with BLAS."""
         out_t = np.empty((w.rows, x.shape[0]), dtype=np.float32)  # (out, n): tiles are rows
-        tile_rows = max(64, TILE_BYTES // (4 * w.cols))
-        tile = np.empty((min(tile_rows, w.rows), w.cols), dtype=np.float32)  # (tile, in)
-        for r0 in range(0, w.rows, tile_rows):
+        tile_rows = max(16, min(TILE_BYTES // (4 * w.cols), -(-w.rows // self.threads)))
+        x_t = np.ascontiguousarray(x.T)  # (in, n)
+
+        def run_tile(r0: int) -> None:
             r1 = min(w.rows, r0 + tile_rows)
-            dequant_rows(w.code, w.data, np.arange(r0, r1, dtype=np.int64), tile[: r1 - r0],
-                         F16_TABLE)
-            np.matmul(tile[: r1 - r0], x.T, out=out_t[r0:r1])
+            tile = np.empty((r1 - r0, w.cols), dtype=np.float32)  # (tile, in)
+            dequant_rows_serial(w.code, w.data, r0, r1, tile, F16_TABLE)
+            np.matmul(tile, x_t, out=out_t[r0:r1])
+
+        with blas_threads(1):
+            list(self._workers().map(run_tile, range(0, w.rows, tile_rows)))
         return np.ascontiguousarray(out_t.T)  # (n, out)
+
+    def _workers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="edgellm-cpu")
+        return self._pool
 
     # -- fused elementwise ops (Numba) ------------------------------------------------------
     def rms_norm(self, x, weight, eps):

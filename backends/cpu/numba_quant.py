@@ -126,6 +126,13 @@ def dequant_rows(code, data, ids, out, tab):
         dequant_row(code, data[ids[i]], out[i], tab)
 
 
+@nb.njit(nogil=True, **_JIT)
+def dequant_rows_serial(code, data, r0, r1, out, tab):
+    """out (r1 - r0, cols) = decoded rows r0..r1 of data, on the calling thread (GIL released)."""
+    for r in range(r0, r1):
+        dequant_row(code, data[r], out[r - r0], tab)
+
+
 @nb.njit(parallel=True, **_JIT)
 def matvec(code, data, x, out, tab):
     """out (n, rows) = x (n, cols) @ W.T for a few tokens, decoding W one row at a time."""
