@@ -163,3 +163,32 @@ def test_gemma3_beyond_its_window_matches_llama_cpp(model_path, reference_dir):
     same = ours == top1
     assert same.mean() >= MIN_LONG_AGREEMENT, same.mean()
     assert same[margin >= MAX_LONG_MISSED_MARGIN].all(), np.flatnonzero(~same & (margin >= 0.6))
+
+
+def test_perplexity_command_chunked_and_streaming(tiny, tmp_path, capsys):
+    from edgellm.apps.perplexity import main
+
+    path = tiny(2).path
+    text = tmp_path / "text.txt"
+    text.write_text("hello world the hello " * 40)
+    assert main(["-m", str(path), "--backend", "numpy", "-f", str(text), "--ctx", "16",
+                 "--json"]) == 0
+    chunked = json.loads(capsys.readouterr().out)
+    assert chunked["mode"] == "chunked" and chunked["scored"] == chunked["chunks"] * 7
+    assert main(["-m", str(path), "--backend", "numpy", "-f", str(text), "--ctx", "16",
+                 "--stream", "--policy", "rotate", "--keep", "2", "--batch", "8",
+                 "--json"]) == 0
+    stream = json.loads(capsys.readouterr().out)
+    assert stream["mode"] == "stream" and stream["evicted"] > 0 and stream["ppl"] > 1
+    assert stream["scored"] == stream["tokens"]
+
+
+def test_streaming_perplexity_is_batch_independent(tiny):
+    from edgellm.cache import CacheConfig
+    from edgellm.perplexity import streaming_perplexity
+
+    config = CacheConfig(max_tokens=16, policy="rotate", keep=2, dtype="float32")
+    one = streaming_perplexity(tiny(2), TOKENS[:60], config, batch=1)
+    many = streaming_perplexity(tiny(2), TOKENS[:60], config, batch=13)
+    assert one.scored == many.scored == 59
+    assert abs(one.ppl - many.ppl) < 1e-4 * one.ppl
