@@ -113,6 +113,7 @@ def speculative_generate_step(
             controller.record(len(draft.tokens), accepted, draft_seconds, len(feed),
                               target_seconds)
             stats.target_passes += 1
+            stats.draft_passes = getattr(drafter, "passes", 0)
             stats.draft_lengths.append(len(draft.tokens))
             if draft.tokens:
                 stats.rounds += 1

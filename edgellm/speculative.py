@@ -53,6 +53,7 @@ class SpeculativeStats:
     accepted: int = 0  # of those, accepted by the target
     rounds: int = 0  # verification rounds that had at least one drafted token
     target_passes: int = 0  # target forward passes after the prompt
+    draft_passes: int = 0  # draft forward passes after the prompt (0 for n-gram drafting)
     tokens: int = 0  # tokens emitted
     draft_lengths: list[int] = field(default_factory=list)  # k of each round (0 = plain step)
 
@@ -76,7 +77,8 @@ class SpeculativeStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 3),
             "tokens_per_target_pass": round(self.tokens_per_target_pass, 3),
-            "target_passes": self.target_passes, "rounds": self.rounds,
+            "target_passes": self.target_passes, "draft_passes": self.draft_passes,
+            "rounds": self.rounds,
             "mean_draft_length": round(sum(lengths) / len(lengths), 3) if lengths else 0.0,
         }
 
@@ -177,6 +179,7 @@ class ModelDrafter:
         self.min_confidence = min_confidence
         self.fed = cache.offset  # the cache holds context[:fed]
         self.seconds = 0.0  # time spent in the draft model (the controller reads it)
+        self.passes = 0  # forward passes of the draft model after prefill
         self.broken = False  # set when the draft cache is full: drafting stops
 
     def prefill(self, context: Sequence[int]) -> None:
@@ -192,6 +195,7 @@ class ModelDrafter:
         """Draft logits (vocab,) over the target's vocabulary after feeding ``tokens``, and
         the draft's own probability of its top token (softmax at temperature 1)."""
         out = self.net.forward(np.asarray(tokens), self.cache)[-1]  # (m,) or (draft vocab,)
+        self.passes += 1
         top = float(out.max())
         confidence = 1.0 / float(np.exp(out - top).sum())
         full = np.full(self.vocab_size, -np.inf, dtype=np.float32)
