@@ -14,7 +14,7 @@ import pytest
 
 import edgellm
 from edgellm.backends import available_backends
-from tests.reference_checks import load_reference
+from tests.reference_checks import load_reference, reference_top1
 
 MODELS = ["qwen2.5-coder-0.5b-instruct", "gemma-3-270m", "qwen2.5-coder-1.5b-instruct"]
 # prompts per model (of 8): the 1.5B uses fewer to stay under a minute on two cores
@@ -25,21 +25,23 @@ pytestmark = pytest.mark.skipif("cpu" not in available_backends(), reason="no cp
 
 
 def decode_agreement(model, reference: dict, entries: int) -> tuple[int, int, float]:
-    """(matches, positions, largest missed margin) over prefill + token-by-token decode."""
+    """(matches, positions, largest missed margin): the prompt in one pass (all positions
+    scored, as in tests/test_models.py), then each greedy token alone, as generation runs."""
     matches = positions = 0
     worst = 0.0
     for entry in reference["generate"][:entries]:
         prompt, greedy = entry["prompt_ids"], entry["greedy_ids"]
+        top1, margins = reference_top1(entry)  # prompt positions 1.., then the greedy steps
         cache = model.make_cache(len(prompt) + len(greedy) + 8)
-        logits = model.net.forward(np.asarray(prompt), cache)
-        for step, (want, margin) in enumerate(zip(greedy, entry["top1_margin"], strict=True)):
+        logits = model.net.forward(np.asarray(prompt), cache, all_logits=True)  # (P, vocab)
+        ours = list(logits[len(prompt) - 1 - (len(top1) - len(greedy)):].argmax(-1))
+        for tok in greedy[:-1]:
+            ours.append(int(model.net.forward(np.asarray([tok]), cache)[-1].argmax()))
+        for got, want, margin in zip(ours, top1, margins, strict=True):
             positions += 1
-            if int(logits[-1].argmax()) == want:
-                matches += 1
-            else:
-                worst = max(worst, float(margin))
-            if step + 1 < len(greedy):
-                logits = model.net.forward(np.asarray([want]), cache)
+            matches += int(got) == want
+            if int(got) != want:
+                worst = max(worst, margin)
     return matches, positions, worst
 
 

@@ -119,10 +119,13 @@ def dequant_row(code, row, out, tab):
                     out[base + 96 + i] = d * np.float32(np.int8(row[sc + 6 + s])) * np.float32(q4)
 
 
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(nogil=True, **_JIT)
 def dequant_rows(code, data, ids, out, tab):
-    """out[i] = decoded row ids[i] of data (rows, row_bytes): (len(ids), cols) f32."""
-    for i in prange(ids.shape[0]):
+    """out[i] = decoded row ids[i] of data (rows, row_bytes): (len(ids), cols) f32.
+
+    Serial on purpose: embedding lookups are a few rows, and a parallel region per token
+    would leave Numba's OpenMP workers spinning against the mat-vec threads."""
+    for i in range(ids.shape[0]):
         dequant_row(code, data[ids[i]], out[i], tab)
 
 
