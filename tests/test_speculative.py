@@ -58,13 +58,14 @@ def plain_tokens(model, prompt, params, n, max_tokens=256):
     return [next(steps)[0] for _ in range(n)]
 
 
-def drafter_for(model, draft, prompt, max_tokens=256):
+def drafter_for(model, draft, prompt, max_tokens=256, **options):
     """Tiny random models are unsure of everything: draft regardless of confidence."""
-    return make_drafter(model, draft, prompt, max_tokens, min_confidence=0.0)
+    return make_drafter(model, draft, prompt, max_tokens, **{"min_confidence": 0.0, **options})
 
 
-def speculative_tokens(model, draft, prompt, params, n, k, stats=None, max_tokens=256):
-    drafter = drafter_for(model, draft, prompt, max_tokens)
+def speculative_tokens(model, draft, prompt, params, n, k, stats=None, max_tokens=256,
+                       **options):
+    drafter = drafter_for(model, draft, prompt, max_tokens, **options)
     steps = speculative_generate_step(prompt, model.net, model.make_cache(max_tokens), params,
                                       drafter=drafter, controller=DraftLengthController(fixed=k),
                                       stats=stats)
@@ -189,7 +190,20 @@ def test_verify_follows_the_target_distribution():
         assert chi_square_p_value(counts, dict(enumerate(p)), n) > 1e-3
 
 
-def test_sampled_speculative_output_follows_the_target(tiny):
+# a full draft head; a head cut to 120 of 300 ids that also stops at unconfident tokens
+DRAFT_OPTIONS = [{}, {"head_vocab": 120, "min_confidence": 0.05}]
+
+
+@pytest.mark.parametrize("options", DRAFT_OPTIONS)
+def test_greedy_with_a_cut_draft_head_equals_plain(tiny, options):
+    for prompt in PROMPTS:
+        expected = plain_tokens(tiny.target, prompt, GREEDY, 30)
+        got = speculative_tokens(tiny.target, tiny.q8, prompt, GREEDY, 30, 4, **options)
+        assert [t.token for t in got] == expected
+
+
+@pytest.mark.parametrize("options", DRAFT_OPTIONS)
+def test_sampled_speculative_output_follows_the_target(tiny, options):
     """End to end: the first two generated tokens (the second through verification) have the
     target's joint distribution p(t1) p(t2 | t1) under top-k 3 sampling."""
     params = SamplingParams(temperature=1.5, top_k=3, top_p=1.0, min_p=0.0)
@@ -209,7 +223,7 @@ def test_sampled_speculative_output_follows_the_target(tiny):
         stats = SpeculativeStats()
         got = speculative_tokens(tiny.target, tiny.other, prompt,
                                  replace(params, seed=seed), 2, 2,
-                                 stats, max_tokens=16)
+                                 stats, max_tokens=16, **options)
         counts[(got[0].token, got[1].token)] += 1
         rejected += stats.drafted - stats.accepted
     assert rejected > n // 10  # the unrelated draft really is rejected often
