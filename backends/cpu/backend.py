@@ -147,7 +147,8 @@ class CpuBackend(NumpyBackend):
     def _matmul_tiled(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
         """Prefill: each worker decodes a tile of rows to f32 and multiplies it with BLAS."""
         out_t = np.empty((w.rows, x.shape[0]), dtype=np.float32)  # (out, n): tiles are rows
-        tile_rows = max(16, min(TILE_BYTES // (4 * w.cols), -(-w.rows // self.threads)))
+        # several tiles per worker, so one descheduled worker does not hold up the rest
+        tile_rows = max(64, min(TILE_BYTES // (4 * w.cols), -(-w.rows // (4 * self.threads))))
         x_t = np.ascontiguousarray(x.T)  # (in, n)
 
         def run_tile(r0: int) -> None:
