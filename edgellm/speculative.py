@@ -68,7 +68,9 @@ class SpeculativeStats:
 
     @property
     def tokens_per_target_pass(self) -> float:
-        return self.tokens / self.target_passes if self.target_passes else 0.0
+        """Tokens per decode pass of the target (the first token comes from the prompt's pass,
+        so plain decoding scores exactly 1)."""
+        return (self.tokens - 1) / self.target_passes if self.target_passes else 0.0
 
     def as_dict(self) -> dict:
         lengths = self.draft_lengths
