@@ -15,7 +15,7 @@ _REGISTRY: dict[str, tuple] = {
 }
 
 #: Tried in order by ``get_backend("auto")``.
-AUTO_ORDER: tuple[str, ...] = ("numpy",)
+AUTO_ORDER: tuple[str, ...] = ("cpu", "numpy")
 
 
 def available_backends() -> list[str]:

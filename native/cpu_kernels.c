@@ -259,6 +259,7 @@ void ek_quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd, in
             int8_t *q = xq + (int64_t)t * cols + 32 * b;
             float amax = 0.0f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+            /* ggml's Q8_0: q from the f32 scale, the scale itself kept as f16 */
             const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
             int s0 = 0, s1 = 0;
             for (int i = 0; i < 16; i++) {
@@ -268,9 +269,42 @@ void ek_quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd, in
                 s0 += a;
                 s1 += c;
             }
-            xd[(int64_t)t * (cols / 32) + b] = d;
+            xd[(int64_t)t * (cols / 32) + b] = _cvtsh_ss(_cvtss_sh(d, 0));
             xs[(int64_t)t * (cols / 16) + 2 * b] = s0;
             xs[(int64_t)t * (cols / 16) + 2 * b + 1] = s1;
+        }
+    }
+}
+
+/* As ek_quantize_rows, but with one scale per 256 values as ggml's Q8_K (used against K-quant
+ * weights): the scale comes from the signed value of largest magnitude, q = min(127,
+ * round(-127/peak * x)), and the 8 sub-blocks of 32 share it. Matching llama.cpp's rounding
+ * matters where one activation dwarfs the rest (Qwen2.5-1.5B's first token). */
+void ek_quantize_rows_q8k(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs) {
+    for (int t = 0; t < n; t++) {
+        for (int b = 0; b < cols / 256; b++) {
+            const float *v = x + (int64_t)t * cols + 256 * b;
+            int8_t *q = xq + (int64_t)t * cols + 256 * b;
+            float amax = 0.0f, peak = 0.0f;
+            for (int i = 0; i < 256; i++) {
+                if (fabsf(v[i]) > amax) { amax = fabsf(v[i]); peak = v[i]; }
+            }
+            const float iscale = amax > 0.0f ? -127.0f / peak : 0.0f;
+            const float d = amax > 0.0f ? 1.0f / iscale : 0.0f;
+            for (int i = 0; i < 256; i++) {
+                int a = (int)nearbyintf(iscale * v[i]);
+                q[i] = (int8_t)(a > 127 ? 127 : a);
+            }
+            for (int s = 0; s < 8; s++) {
+                int s0 = 0, s1 = 0;
+                for (int i = 0; i < 16; i++) {
+                    s0 += q[32 * s + i];
+                    s1 += q[32 * s + 16 + i];
+                }
+                xd[(int64_t)t * (cols / 32) + 8 * b + s] = d;
+                xs[(int64_t)t * (cols / 16) + 16 * b + 2 * s] = s0;
+                xs[(int64_t)t * (cols / 16) + 16 * b + 2 * s + 1] = s1;
+            }
         }
     }
 }

@@ -21,6 +21,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CDEF = """
 int ek_supports(int qtype);
 void ek_quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs);
+void ek_quantize_rows_q8k(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs);
 void ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
                const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
                int64_t ldo);

@@ -23,7 +23,7 @@ from edgellm.converters.gguf_reader import QTensor
 from edgellm.native import cpu_kernels
 from edgellm.quants import Q
 
-from ..numpy_backend import NumpyBackend
+from ..numpy_backend import K_QUANTS, NumpyBackend, round_activations_like_ggml
 from . import numba_ops
 from .blas_threads import blas_threads
 from .numba_quant import CODES, F16_TABLE, dequant_rows, dequant_rows_serial, matvec
@@ -135,9 +135,11 @@ class CpuBackend(NumpyBackend):
         xd = np.empty((n, w.cols // 32), dtype=np.float32)
         xs = np.empty((n, w.cols // 16), dtype=np.int32)
         ptr = ffi.cast
-        lib.ek_quantize_rows(ptr("float *", x.ctypes.data), n, w.cols,
-                             ptr("int8_t *", xq.ctypes.data), ptr("float *", xd.ctypes.data),
-                             ptr("int32_t *", xs.ctypes.data))
+        # activations rounded as llama.cpp rounds them: per 256 against K-quants (Q8_K)
+        quantize = (lib.ek_quantize_rows_q8k if w.qtype in K_QUANTS and w.cols % 256 == 0
+                    else lib.ek_quantize_rows)
+        quantize(ptr("float *", x.ctypes.data), n, w.cols, ptr("int8_t *", xq.ctypes.data),
+                 ptr("float *", xd.ctypes.data), ptr("int32_t *", xs.ctypes.data))
         lib.ek_matvec_mt(int(w.qtype), ptr("uint8_t *", w.data.ctypes.data), w.data.strides[0],
                          w.rows, w.cols, ptr("int8_t *", xq.ctypes.data),
                          ptr("float *", xd.ctypes.data), ptr("int32_t *", xs.ctypes.data), n,
@@ -149,7 +151,8 @@ class CpuBackend(NumpyBackend):
         out_t = np.empty((w.rows, x.shape[0]), dtype=np.float32)  # (out, n): tiles are rows
         # several tiles per worker, so one descheduled worker does not hold up the rest
         tile_rows = max(64, min(TILE_BYTES // (4 * w.cols), -(-w.rows // (4 * self.threads))))
-        x_t = np.ascontiguousarray(x.T)  # (in, n)
+        # the f32 product of llama.cpp's 8-bit-rounded activations with the decoded weights
+        x_t = np.ascontiguousarray(round_activations_like_ggml(x, w.qtype).T)  # (in, n)
 
         def run_tile(r0: int) -> None:
             r1 = min(w.rows, r0 + tile_rows)
