@@ -180,7 +180,8 @@ class ModelDrafter:
         # (at temperature 1): such tokens are rarely accepted and cost a draft step each
         self.min_confidence = min_confidence
         self.fed = cache.offset  # the cache holds context[:fed]
-        self.seconds = 0.0  # time spent in the draft model (the controller reads it)
+        self.seconds = 0.0  # time spent in draft steps (the controller reads it)
+        self.catchup_seconds = 0.0  # time spent feeding tokens decoded while drafting was off
         self.passes = 0  # forward passes of the draft model after prefill
         self.broken = False  # set when the draft cache is full: drafting stops
 
@@ -211,13 +212,18 @@ class ModelDrafter:
     def propose(self, context, k, params, process, rng) -> Draft:
         if self.broken or k == 0:
             return Draft([], [])
-        start = time.perf_counter()
         context = list(context)
         tokens, qs = [], []
         pending = context[self.fed:]
         try:
             for _ in range(k):
+                start = time.perf_counter()
                 logits, confidence = self._logits(pending)
+                spent = time.perf_counter() - start
+                if len(pending) > 2:  # catching up after plain steps: a one-off, not per token
+                    self.catchup_seconds += spent
+                else:
+                    self.seconds += spent
                 self.fed += len(pending)
                 if confidence < self.min_confidence:
                     break
@@ -233,7 +239,6 @@ class ModelDrafter:
                 pending = [token]
         except ContextOverflow:
             self.broken = True
-        self.seconds += time.perf_counter() - start
         return Draft(tokens, qs)
 
     def accept(self, context_len: int) -> None:
@@ -320,7 +325,9 @@ class DraftLengthController:
     pass over n tokens (a least-squares line over recent passes), a round with k drafted tokens
     yields (1 - a^(k+1)) / (1 - a) tokens for k*c + T(k+1) seconds; k = 0 is a plain step,
     1 token for T(1). It picks the k with the best tokens per second. While k = 0 wins it
-    probes with a short draft every ``probe_every`` steps so a rising acceptance is noticed.
+    probes with a short draft after ``probe_every`` steps (doubling while probes fail, up to
+    16x) so a rising acceptance is noticed. Draft catch-up passes after plain steps are not
+    charged to the per-token draft cost.
     """
 
     def __init__(self, fixed: int | None = None, max_k: int = 7, initial_k: int = 3,
@@ -336,6 +343,7 @@ class DraftLengthController:
         self.probe_every = probe_every
         self.passes: deque[tuple[int, float]] = deque(maxlen=48)  # (tokens, seconds)
         self.plain_steps = 0
+        self.probe_interval = probe_every  # doubles after each probe that changes nothing
         self.unpaid_draft_seconds = 0.0
 
     def next_length(self) -> int:
@@ -348,11 +356,14 @@ class DraftLengthController:
         k = self.best_length()
         if k == 0:
             self.plain_steps += 1
-            if self.plain_steps >= self.probe_every:
+            if self.plain_steps >= self.probe_interval:
+                # a probe costs a catch-up pass of the draft: back off while probes fail
                 self.plain_steps = 0
+                self.probe_interval = min(2 * self.probe_interval, 16 * self.probe_every)
                 return 2
         else:
             self.plain_steps = 0
+            self.probe_interval = self.probe_every
         return k
 
     def target_cost(self, n: int) -> float:
