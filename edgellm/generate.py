@@ -92,8 +92,8 @@ def speculative_generate_step(
             rng.choice(len(logits), p=probabilities(logits, params)))
         context.append(token)
         stats.tokens += 1
+        drafter.prefill(context)  # prompt processing of the draft: before the first token
         yield SpeculativeToken(token, logits, False)
-        drafter.prefill(context)
         while True:
             k = controller.next_length()
             room = cache.max_tokens - cache.offset  # a plain cache refuses past max_tokens
