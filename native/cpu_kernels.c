@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
@@ -77,85 +78,119 @@ static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m
     }
 }
 
-/* ---- row dot products: one weight row (nb blocks) . one quantized activation row ------------
- * xq (cols,) int8, xd (cols/32,) scales, xs (cols/16,) sums of 16-element halves. */
+/* ---- row dot products: one weight row (nb blocks) . n quantized activation rows -----------
+ * The activations come interleaved by block (see interleave below): token t's block b is
+ * xq + 32 * (b * n + t) (int8), its scale xd[b * n + t] and its 16-element sums
+ * xs[2 * (b * n + t)], xs[2 * (b * n + t) + 1]. Loops run block-outer, token-inner: each
+ * weight block is unpacked once and dotted against every token while it sits in registers.
+ * For each token the arithmetic (integer products, the order of the float accumulation) is
+ * exactly that of a single-token dot, so a token's result is bit-identical whether it is
+ * computed alone or in a batch (speculative decoding's greedy exactness relies on that). The
+ * bodies are inlined for each n in 1..MAXN (a compile-time constant), so the per-token
+ * accumulators stay in registers and every token's address is a constant offset; the
+ * single-token path is the n = 1 case of the same code. Row results go to out[t * ldo]. */
 
-static float dot_q8_0(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb) {
-    (void)xs;
-    __m256 acc = _mm256_setzero_ps();
+#define MAXN 8
+#define FORCE static inline __attribute__((always_inline))
+
+FORCE void dot_q8_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb, int cols, const int n, float *out, int64_t ldo) {
+    __m256 acc[MAXN];
+    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += 34) {
         __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
-        __m256i x = loadx(xq + 32 * b);
-        __m256i p = dot32(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f16(w) * xd[b]), acc);
+        __m256i qa = _mm256_sign_epi8(q, q);
+        const float d = f16(w);
+        for (int t = 0; t < n; t++) {
+            __m256i p = dot32(qa, _mm256_sign_epi8(loadx(xq + 32 * ((int64_t)b * n + t)), q));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[b * n + t]), acc[t]);
+        }
     }
-    return hsum8(acc);
+    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]);
 }
 
-static float dot_q4_0(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb) {
-    __m256 acc = _mm256_setzero_ps();
-    float off = 0.0f;
+FORCE void dot_q4_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb, int cols, const int n, float *out, int64_t ldo) {
+    __m256 acc[MAXN];
+    float off[MAXN];
+    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
     for (int b = 0; b < nb; b++, w += 18) {
-        float s = f16(w) * xd[b];
-        __m256i p = dot32(nibbles16(w + 2), loadx(xq + 32 * b));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc);
-        off += 8.0f * s * (float)(xs[2 * b] + xs[2 * b + 1]);
+        const float d = f16(w);
+        __m256i q = nibbles16(w + 2);
+        for (int t = 0; t < n; t++) {
+            float s = d * xd[b * n + t];
+            __m256i p = dot32(q, loadx(xq + 32 * ((int64_t)b * n + t)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[t]);
+            off[t] += 8.0f * s * (float)(xs[2 * (b * n + t)] + xs[2 * (b * n + t) + 1]);
+        }
     }
-    return hsum8(acc) - off;
+    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) - off[t];
 }
 
-static float dot_q4_1(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb) {
-    __m256 acc = _mm256_setzero_ps();
-    float off = 0.0f;
+FORCE void dot_q4_1_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb, int cols, const int n, float *out, int64_t ldo) {
+    __m256 acc[MAXN];
+    float off[MAXN];
+    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
     for (int b = 0; b < nb; b++, w += 20) {
-        __m256i p = dot32(nibbles16(w + 4), loadx(xq + 32 * b));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f16(w) * xd[b]), acc);
-        off += f16(w + 2) * xd[b] * (float)(xs[2 * b] + xs[2 * b + 1]);
+        const float d = f16(w), m = f16(w + 2);
+        __m256i q = nibbles16(w + 4);
+        for (int t = 0; t < n; t++) {
+            __m256i p = dot32(q, loadx(xq + 32 * ((int64_t)b * n + t)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[b * n + t]), acc[t]);
+            off[t] += m * xd[b * n + t] * (float)(xs[2 * (b * n + t)] + xs[2 * (b * n + t) + 1]);
+        }
     }
-    return hsum8(acc) + off;
+    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) + off[t];
 }
 
-static float dot_q5_0(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb) {
-    __m256 acc = _mm256_setzero_ps();
-    float off = 0.0f;
+FORCE void dot_q5_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb, int cols, const int n, float *out, int64_t ldo) {
+    __m256 acc[MAXN];
+    float off[MAXN];
+    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
     for (int b = 0; b < nb; b++, w += 22) {
         uint32_t qh;
         memcpy(&qh, w + 2, 4);
-        float s = f16(w) * xd[b];
+        const float d = f16(w);
         __m256i q = _mm256_or_si256(nibbles16(w + 6), bits_to_0x10(qh));
-        __m256i p = dot32(q, loadx(xq + 32 * b));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc);
-        off += 16.0f * s * (float)(xs[2 * b] + xs[2 * b + 1]);
+        for (int t = 0; t < n; t++) {
+            float s = d * xd[b * n + t];
+            __m256i p = dot32(q, loadx(xq + 32 * ((int64_t)b * n + t)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[t]);
+            off[t] += 16.0f * s * (float)(xs[2 * (b * n + t)] + xs[2 * (b * n + t) + 1]);
+        }
     }
-    return hsum8(acc) - off;
+    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) - off[t];
 }
 
-static float dot_q5_1(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb) {
-    __m256 acc = _mm256_setzero_ps();
-    float off = 0.0f;
+FORCE void dot_q5_1_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb, int cols, const int n, float *out, int64_t ldo) {
+    __m256 acc[MAXN];
+    float off[MAXN];
+    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
     for (int b = 0; b < nb; b++, w += 24) {
         uint32_t qh;
         memcpy(&qh, w + 4, 4);
+        const float d = f16(w), m = f16(w + 2);
         __m256i q = _mm256_or_si256(nibbles16(w + 8), bits_to_0x10(qh));
-        __m256i p = dot32(q, loadx(xq + 32 * b));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f16(w) * xd[b]), acc);
-        off += f16(w + 2) * xd[b] * (float)(xs[2 * b] + xs[2 * b + 1]);
+        for (int t = 0; t < n; t++) {
+            __m256i p = dot32(q, loadx(xq + 32 * ((int64_t)b * n + t)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[b * n + t]), acc[t]);
+            off[t] += m * xd[b * n + t] * (float)(xs[2 * (b * n + t)] + xs[2 * (b * n + t) + 1]);
+        }
     }
-    return hsum8(acc) + off;
+    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) + off[t];
 }
 
 /* Q4_K / Q5_K superblock: d, dmin (f16), 12 bytes of 6-bit scales/mins, [qh 32], qs 128. */
-static float dot_qk(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                    int nsb, int five) {
-    const int bytes = five ? 176 : 144;
+FORCE void dot_qk_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                    int nb, int cols, const int n, float *out, int64_t ldo, const int five) {
+    const int bytes = five ? 176 : 144, nsb = nb / 8;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps();
-    float off = 0.0f;
+    __m256 acc[MAXN];
+    float off[MAXN];
+    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
     for (int sb = 0; sb < nsb; sb++, w += bytes) {
         const float d = f16(w), dmin = f16(w + 2);
         const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
@@ -175,31 +210,38 @@ static float dot_qk(const uint8_t *w, const int8_t *xq, const float *xd, const i
                 const int sub = 2 * j + half, b = sb * 8 + sub;
                 uint8_t sc, mn;
                 scale_min_k4(sub, w + 4, &sc, &mn);
-                __m256i p = dot32(half ? hi : lo, loadx(xq + 32 * b));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sc * xd[b]), acc);
-                off += dmin * mn * xd[b] * (float)(xs[2 * b] + xs[2 * b + 1]);
+                /* d * sc * xd == (d * sc) * xd: the same float operations as one token's dot */
+                const float dsc = d * sc, dmn = dmin * mn;
+                const __m256i q = half ? hi : lo;
+                for (int t = 0; t < n; t++) {
+                            __m256i p = dot32(q, loadx(xq + 32 * ((int64_t)b * n + t)));
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dsc * xd[b * n + t]),
+                                             acc[t]);
+                    off[t] += dmn * xd[b * n + t] * (float)(xs[2 * (b * n + t)] + xs[2 * (b * n + t) + 1]);
+                }
             }
         }
     }
-    return hsum8(acc) - off;
+    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) - off[t];
 }
 
-static float dot_q4_k(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb) {
-    return dot_qk(w, xq, xd, xs, nb / 8, 0);
+FORCE void dot_q4_k_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb, int cols, const int n, float *out, int64_t ldo) {
+    dot_qk_n(w, xq, xd, xs, nb, cols, n, out, ldo, 0);
 }
 
-static float dot_q5_k(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb) {
-    return dot_qk(w, xq, xd, xs, nb / 8, 1);
+FORCE void dot_q5_k_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb, int cols, const int n, float *out, int64_t ldo) {
+    dot_qk_n(w, xq, xd, xs, nb, cols, n, out, ldo, 1);
 }
 
 /* Q6_K superblock (210 bytes): ql[128], qh[64], int8 scales[16] (per 16), d (f16). */
-static float dot_q6_k(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb) {
+FORCE void dot_q6_k_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb, int cols, const int n, float *out, int64_t ldo) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps();
-    float off = 0.0f;
+    __m256 acc[MAXN];
+    float off[MAXN];
+    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
     for (int sb = 0; sb < nb / 8; sb++, w += 210) {
         const float d = f16(w + 208);
         const int8_t *scales = (const int8_t *)(w + 192);
@@ -219,19 +261,48 @@ static float dot_q6_k(const uint8_t *w, const int8_t *xq, const float *xd, const
                                                     _mm256_set1_epi8(0x30)));
             for (int k = 0; k < 4; k++) {
                 const int b = sb * 8 + 4 * h + k;
-                const float s0 = d * scales[8 * h + 2 * k] * xd[b];
-                const float s1 = d * scales[8 * h + 2 * k + 1] * xd[b];
-                __m256i p = dot32(q[k], loadx(xq + 32 * b));
-                __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc);
-                off += 32.0f * (s0 * (float)xs[2 * b] + s1 * (float)xs[2 * b + 1]);
+                /* d * sc * xd == (d * sc) * xd: the same float operations as one token's dot */
+                const float d0 = d * scales[8 * h + 2 * k], d1 = d * scales[8 * h + 2 * k + 1];
+                for (int t = 0; t < n; t++) {
+                            const float s0 = d0 * xd[b * n + t], s1 = d1 * xd[b * n + t];
+                    __m256i p = dot32(q[k], loadx(xq + 32 * ((int64_t)b * n + t)));
+                    __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc[t]);
+                    off[t] += 32.0f * (s0 * (float)xs[2 * (b * n + t)] + s1 * (float)xs[2 * (b * n + t) + 1]);
+                }
             }
         }
     }
-    return hsum8(acc) - off;
+    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) - off[t];
 }
 
-typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const int32_t *, int);
+/* dot_<type>(row, ..., n, out, ldo) for a runtime n in 1..MAXN: one inlined body per n. */
+typedef void (*dot_fn)(const uint8_t *, const int8_t *, const float *, const int32_t *, int, int,
+                       int, float *, int64_t);
+
+#define DISPATCH(name)                                                                        \
+    static void name(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,  \
+                     int nb, int cols, int n, float *out, int64_t ldo) {                     \
+        switch (n) {                                                                          \
+        case 1: name##_n(w, xq, xd, xs, nb, cols, 1, out, ldo); break;                        \
+        case 2: name##_n(w, xq, xd, xs, nb, cols, 2, out, ldo); break;                        \
+        case 3: name##_n(w, xq, xd, xs, nb, cols, 3, out, ldo); break;                        \
+        case 4: name##_n(w, xq, xd, xs, nb, cols, 4, out, ldo); break;                        \
+        case 5: name##_n(w, xq, xd, xs, nb, cols, 5, out, ldo); break;                        \
+        case 6: name##_n(w, xq, xd, xs, nb, cols, 6, out, ldo); break;                        \
+        case 7: name##_n(w, xq, xd, xs, nb, cols, 7, out, ldo); break;                        \
+        default: name##_n(w, xq, xd, xs, nb, cols, 8, out, ldo); break;                       \
+        }                                                                                     \
+    }
+
+DISPATCH(dot_q8_0)
+DISPATCH(dot_q4_0)
+DISPATCH(dot_q4_1)
+DISPATCH(dot_q5_0)
+DISPATCH(dot_q5_1)
+DISPATCH(dot_q4_k)
+DISPATCH(dot_q5_k)
+DISPATCH(dot_q6_k)
 
 static dot_fn dot_for(int qtype) {
     switch (qtype) {
@@ -309,18 +380,52 @@ void ek_quantize_rows_q8k(const float *x, int n, int cols, int8_t *xq, float *xd
     }
 }
 
-/* out[t, r] = dot(w[r], x[t]) for rows r in [r0, r1) and n tokens; out row stride ldo. */
+/* Tokens t0 .. t0 + m - 1 of xq (n, cols), xd (n, nb), xs (n, 2 nb) into the interleaved
+ * layout of the dot functions: xqi (nb, m, 32), xdi (nb, m), xsi (nb, m, 2). */
+static void interleave(const int8_t *xq, const float *xd, const int32_t *xs, int cols, int t0,
+                       int m, int8_t *xqi, float *xdi, int32_t *xsi) {
+    const int nb = cols / 32;
+    for (int t = 0; t < m; t++) {
+        const int8_t *q = xq + (int64_t)(t0 + t) * cols;
+        const float *d = xd + (int64_t)(t0 + t) * nb;
+        const int32_t *s = xs + (int64_t)(t0 + t) * 2 * nb;
+        for (int b = 0; b < nb; b++) {
+            memcpy(xqi + 32 * ((int64_t)b * m + t), q + 32 * b, 32);
+            xdi[(int64_t)b * m + t] = d[b];
+            xsi[2 * ((int64_t)b * m + t)] = s[2 * b];
+            xsi[2 * ((int64_t)b * m + t) + 1] = s[2 * b + 1];
+        }
+    }
+}
+
+/* rows [r0, r1) against m <= MAXN interleaved tokens; out[t * ldo + r]. */
+static void matvec_il(dot_fn dot, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
+                      const int8_t *xqi, const float *xdi, const int32_t *xsi, int m, float *out,
+                      int64_t ldo) {
+    const int nb = cols / 32;
+    for (int r = r0; r < r1; r++)
+        dot(w + (int64_t)r * row_bytes, xqi, xdi, xsi, nb, cols, m, out + r, ldo);
+}
+
+/* out[t, r] = dot(w[r], x[t]) for rows r in [r0, r1) and n tokens; out row stride ldo.
+ * Tokens go MAXN at a time: each row's blocks are unpacked once per group of tokens. */
 void ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
                const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
                int64_t ldo) {
     dot_fn dot = dot_for(qtype);
     const int nb = cols / 32;
-    for (int r = r0; r < r1; r++) {
-        const uint8_t *row = w + (int64_t)r * row_bytes;
-        for (int t = 0; t < n; t++)
-            out[(int64_t)t * ldo + r] = dot(row, xq + (int64_t)t * cols, xd + (int64_t)t * nb,
-                                            xs + (int64_t)t * 2 * nb, nb);
+    int8_t *xqi = malloc((size_t)MAXN * cols);
+    float *xdi = malloc(sizeof(float) * MAXN * nb);
+    int32_t *xsi = malloc(sizeof(int32_t) * MAXN * 2 * nb);
+    for (int t0 = 0; t0 < n; t0 += MAXN) {
+        const int m = n - t0 < MAXN ? n - t0 : MAXN;
+        interleave(xq, xd, xs, cols, t0, m, xqi, xdi, xsi);
+        matvec_il(dot, w, row_bytes, r0, r1, cols, xqi, xdi, xsi, m, out + (int64_t)t0 * ldo,
+                  ldo);
     }
+    free(xqi);
+    free(xdi);
+    free(xsi);
 }
 
 /* ---- a small thread pool without barriers -------------------------------------------------
@@ -338,7 +443,8 @@ void ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, i
 #define SPIN_ITERS 5000  /* ~0.2 ms of pause before sleeping */
 
 typedef struct {
-    int qtype, rows, cols, n;
+    dot_fn dot;
+    int rows, cols, n;
     const uint8_t *w;
     int64_t row_bytes;
     const int8_t *xq;
@@ -360,7 +466,7 @@ static pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;  /* one job at a t
 static void run_chunk(int c) {
     const job_t *j = &g_job;
     int r0 = c * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < j->rows ? r0 + CHUNK_ROWS : j->rows;
-    ek_matvec(j->qtype, j->w, j->row_bytes, r0, r1, j->cols, j->xq, j->xd, j->xs, j->n, j->out,
+    matvec_il(j->dot, j->w, j->row_bytes, r0, r1, j->cols, j->xq, j->xd, j->xs, j->n, j->out,
               j->rows);
 }
 
@@ -418,19 +524,31 @@ void ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int 
         ek_matvec(qtype, w, row_bytes, 0, rows, cols, xq, xd, xs, n, out, rows);
         return;
     }
+    const int nb = cols / 32;
+    int8_t *xqi = malloc((size_t)MAXN * cols);
+    float *xdi = malloc(sizeof(float) * MAXN * nb);
+    int32_t *xsi = malloc(sizeof(int32_t) * MAXN * 2 * nb);
     pthread_mutex_lock(&g_call_mu);
     ensure_helpers(nthreads - 1);
-    job_t j = {qtype, rows, cols, n, w, row_bytes, xq, xd, xs, out};
-    g_job = j;
-    atomic_store(&g_done, 0);
-    uint64_t gen = ((atomic_load(&g_ctr) >> 40) + 1) & 0xFFFFFF;
-    atomic_store(&g_ctr, CTR(gen, nchunks, 0));
-    if (atomic_load(&g_sleeping) > 0) {
-        pthread_mutex_lock(&g_mu);
-        pthread_cond_broadcast(&g_cv);
-        pthread_mutex_unlock(&g_mu);
+    for (int t0 = 0; t0 < n; t0 += MAXN) {
+        const int m = n - t0 < MAXN ? n - t0 : MAXN;
+        interleave(xq, xd, xs, cols, t0, m, xqi, xdi, xsi);
+        job_t j = {dot_for(qtype), rows, cols, m, w, row_bytes, xqi, xdi, xsi,
+                   out + (int64_t)t0 * rows};
+        g_job = j;
+        atomic_store(&g_done, 0);
+        uint64_t gen = ((atomic_load(&g_ctr) >> 40) + 1) & 0xFFFFFF;
+        atomic_store(&g_ctr, CTR(gen, nchunks, 0));
+        if (atomic_load(&g_sleeping) > 0) {
+            pthread_mutex_lock(&g_mu);
+            pthread_cond_broadcast(&g_cv);
+            pthread_mutex_unlock(&g_mu);
+        }
+        work(gen);
+        while (atomic_load(&g_done) < nchunks) _mm_pause();
     }
-    work(gen);
-    while (atomic_load(&g_done) < nchunks) _mm_pause();
     pthread_mutex_unlock(&g_call_mu);
+    free(xqi);
+    free(xdi);
+    free(xsi);
 }

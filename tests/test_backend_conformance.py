@@ -126,3 +126,41 @@ def test_activations_and_softcap(backend):
     np.testing.assert_allclose(got, REF.softcap(g * 20, 30.0), rtol=1e-5, atol=1e-5)
     got = backend.to_numpy(backend.scale(backend.asarray(g), 2.5))
     np.testing.assert_allclose(got, g * 2.5, rtol=1e-6)
+
+
+def _c_kernel_variants():
+    """(id, CpuBackend) for each C kernel variant this CPU can run (best, and AVX2 too)."""
+    if "cpu" not in available_backends():
+        return []
+    from edgellm.native import cpu_kernels
+
+    best = cpu_kernels.best_variant()
+    if best is None or cpu_kernels.load() is None:
+        return []
+    names = [best] + [v for v in ("avx2",) if v != best and cpu_kernels.load(v) is not None]
+    out = []
+    for name in names:
+        b = get_backend("cpu", kernels="c")
+        b.native = cpu_kernels.load(name)
+        out.append((name, b))
+    return out
+
+
+@pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
+def test_matvec_batch_invariant(qtype):
+    """A token's mat-vec result is bit-identical alone and in a batch of 2..8 (speculative
+    verification's greedy exactness relies on it), in every C kernel variant."""
+    variants = _c_kernel_variants()
+    if not variants:
+        pytest.skip("no C kernels here")
+    if not variants[0][1].native.lib.ek_supports(int(qtype)):
+        pytest.skip(f"{qtype.name} is not a C mat-vec type")
+    tensor = random_tensor(qtype, 67, 512, seed=11)
+    x = np.random.default_rng(5).standard_normal((8, 512)).astype(np.float32)
+    x[3] *= 40.0  # one outsized token: its per-block scales differ from the rest
+    for name, b in variants:
+        w = b.prepare(tensor)
+        alone = np.concatenate([b.matmul(x[i:i + 1], w) for i in range(8)])
+        for k in range(2, 9):
+            got = b.matmul(x[:k], w)
+            assert np.array_equal(got.view(np.uint32), alone[:k].view(np.uint32)), (name, k)
