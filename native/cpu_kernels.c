@@ -318,6 +318,157 @@ static dot_fn dot_for(int qtype) {
     }
 }
 
+/* ---- K-quants against Q8_K activations (one scale per 256), integer per superblock --------
+ * As llama.cpp: the 8 sub-blocks' products are scaled and summed in int32 (maddubs then madd
+ * by the 6/8-bit scales), the minimums (Q4_K/Q5_K) or the -32 offset (Q6_K) come from the
+ * 16-element sums xs16 (int16, (nsb, n, 16) interleaved), and only then is the superblock
+ * scaled in float: two float ops per token per superblock instead of per 32. Used when every
+ * token's 8 sub-block scales of a superblock are equal (ek_quantize_rows_q8k); exact integer
+ * sums, so each token's result is still independent of the batch. */
+
+static inline __m256i madd_acc(__m256i acc, __m256i p16, __m256i s16) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, p16, s16);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, s16));
+#endif
+}
+
+FORCE void dot_qk_int_n(const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *xs16,
+                        int nb, const int n, float *out, int64_t ldo, const int five) {
+    const int bytes = five ? 176 : 144, nsb = nb / 8;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[MAXN];
+    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++, w += bytes) {
+        const float d = f16(w), dmin = f16(w + 2);
+        const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 8; j++) scale_min_k4(j, w + 4, &sc[j], &mn[j]);
+        const __m256i mins16 = _mm256_setr_epi16(mn[0], mn[0], mn[1], mn[1], mn[2], mn[2], mn[3],
+                                                 mn[3], mn[4], mn[4], mn[5], mn[5], mn[6], mn[6],
+                                                 mn[7], mn[7]);
+        __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+        __m256i isum[MAXN];
+        for (int t = 0; t < n; t++) isum[t] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(raw, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            if (five) {  /* bit 2j of qh[l] -> element l, bit 2j+1 -> element 32 + l */
+                __m256i h = _mm256_srli_epi16(hbits, 2 * j);
+                __m256i one = _mm256_set1_epi8(1);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                hi = _mm256_or_si256(
+                    hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+            }
+            for (int half = 0; half < 2; half++) {
+                const int b = sb * 8 + 2 * j + half;
+                const __m256i q = half ? hi : lo, s16 = _mm256_set1_epi16(sc[2 * j + half]);
+                for (int t = 0; t < n; t++) {
+                    __m256i p = _mm256_maddubs_epi16(q, loadx(xq + 32 * ((int64_t)b * n + t)));
+                    isum[t] = madd_acc(isum[t], p, s16);
+                }
+            }
+        }
+        for (int t = 0; t < n; t++) {
+            const float D = xd[(sb * 8) * n + t];
+            __m256i xs = _mm256_loadu_si256((const __m256i *)(xs16 + 16 * ((int64_t)sb * n + t)));
+            __m256i imin = _mm256_madd_epi16(xs, mins16);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(d * D), acc[t]);
+            acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_set1_ps(dmin * D), acc[t]);
+        }
+    }
+    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]);
+}
+
+FORCE void dot_q6_k_int_n(const uint8_t *w, const int8_t *xq, const float *xd,
+                          const int16_t *xs16, int nb, const int n, float *out, int64_t ldo) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[MAXN];
+    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nb / 8; sb++, w += 210) {
+        const float d = f16(w + 208);
+        const int8_t *scales = (const int8_t *)(w + 192);
+        __m256i isum[MAXN];
+        for (int t = 0; t < n; t++) isum[t] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i qa = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+            __m256i qb = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(qa, low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(3)), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(qb, low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4),
+                                   _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
+                                   _mm256_and_si256(_mm256_srli_epi16(hb, 2),
+                                                    _mm256_set1_epi8(0x30)));
+            for (int k = 0; k < 4; k++) {
+                const int b = sb * 8 + 4 * h + k;
+                const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(scales[8 * h + 2 * k + 1]),
+                                                     _mm_set1_epi16(scales[8 * h + 2 * k]));
+                for (int t = 0; t < n; t++) {
+                    __m256i p = _mm256_maddubs_epi16(q[k], loadx(xq + 32 * ((int64_t)b * n + t)));
+                    isum[t] = madd_acc(isum[t], p, s16);
+                }
+            }
+        }
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
+        for (int t = 0; t < n; t++) {
+            const float D = xd[(sb * 8) * n + t];
+            __m256i xs = _mm256_loadu_si256((const __m256i *)(xs16 + 16 * ((int64_t)sb * n + t)));
+            __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(xs, sc16), 5);  /* 32 * sum */
+            __m256i tot = _mm256_sub_epi32(isum[t], off);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(d * D), acc[t]);
+        }
+    }
+    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]);
+}
+
+FORCE void dot_q4_k_int_n(const uint8_t *w, const int8_t *xq, const float *xd,
+                          const int16_t *xs16, int nb, const int n, float *out, int64_t ldo) {
+    dot_qk_int_n(w, xq, xd, xs16, nb, n, out, ldo, 0);
+}
+
+FORCE void dot_q5_k_int_n(const uint8_t *w, const int8_t *xq, const float *xd,
+                          const int16_t *xs16, int nb, const int n, float *out, int64_t ldo) {
+    dot_qk_int_n(w, xq, xd, xs16, nb, n, out, ldo, 1);
+}
+
+typedef void (*dotk_fn)(const uint8_t *, const int8_t *, const float *, const int16_t *, int, int,
+                        float *, int64_t);
+
+#define DISPATCHK(name)                                                                       \
+    static void name(const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *xs,  \
+                     int nb, int n, float *out, int64_t ldo) {                                \
+        switch (n) {                                                                          \
+        case 1: name##_n(w, xq, xd, xs, nb, 1, out, ldo); break;                              \
+        case 2: name##_n(w, xq, xd, xs, nb, 2, out, ldo); break;                              \
+        case 3: name##_n(w, xq, xd, xs, nb, 3, out, ldo); break;                              \
+        case 4: name##_n(w, xq, xd, xs, nb, 4, out, ldo); break;                              \
+        case 5: name##_n(w, xq, xd, xs, nb, 5, out, ldo); break;                              \
+        case 6: name##_n(w, xq, xd, xs, nb, 6, out, ldo); break;                              \
+        case 7: name##_n(w, xq, xd, xs, nb, 7, out, ldo); break;                              \
+        default: name##_n(w, xq, xd, xs, nb, 8, out, ldo); break;                             \
+        }                                                                                     \
+    }
+
+DISPATCHK(dot_q4_k_int)
+DISPATCHK(dot_q5_k_int)
+DISPATCHK(dot_q6_k_int)
+
+static dotk_fn dotk_for(int qtype) {
+    switch (qtype) {
+    case T_Q4_K: return dot_q4_k_int;
+    case T_Q5_K: return dot_q5_k_int;
+    case T_Q6_K: return dot_q6_k_int;
+    default: return 0;
+    }
+}
+
 /* ---- public entry points ----------------------------------------------------------------- */
 
 int ek_supports(int qtype) { return dot_for(qtype) != 0; }
@@ -381,10 +532,13 @@ void ek_quantize_rows_q8k(const float *x, int n, int cols, int8_t *xq, float *xd
 }
 
 /* Tokens t0 .. t0 + m - 1 of xq (n, cols), xd (n, nb), xs (n, 2 nb) into the interleaved
- * layout of the dot functions: xqi (nb, m, 32), xdi (nb, m), xsi (nb, m, 2). */
-static void interleave(const int8_t *xq, const float *xd, const int32_t *xs, int cols, int t0,
-                       int m, int8_t *xqi, float *xdi, int32_t *xsi) {
+ * layout of the dot functions: xqi (nb, m, 32), xdi (nb, m), xsi (nb, m, 2), and xs16i
+ * (nb / 8, m, 16) int16 for the integer K-quant path. Returns whether that path applies:
+ * cols % 256 == 0 and each token's scale is the same over each 256 (Q8_K activations). */
+static int interleave(const int8_t *xq, const float *xd, const int32_t *xs, int cols, int t0,
+                      int m, int8_t *xqi, float *xdi, int32_t *xsi, int16_t *xs16i) {
     const int nb = cols / 32;
+    int q8k = cols % 256 == 0;
     for (int t = 0; t < m; t++) {
         const int8_t *q = xq + (int64_t)(t0 + t) * cols;
         const float *d = xd + (int64_t)(t0 + t) * nb;
@@ -394,15 +548,27 @@ static void interleave(const int8_t *xq, const float *xd, const int32_t *xs, int
             xdi[(int64_t)b * m + t] = d[b];
             xsi[2 * ((int64_t)b * m + t)] = s[2 * b];
             xsi[2 * ((int64_t)b * m + t) + 1] = s[2 * b + 1];
+            if (d[b] != d[b & ~7]) q8k = 0;
         }
+        if (q8k)
+            for (int sb = 0; sb < nb / 8; sb++)
+                for (int i = 0; i < 16; i++)
+                    xs16i[16 * ((int64_t)sb * m + t) + i] = (int16_t)s[16 * sb + i];
     }
+    return q8k;
 }
 
-/* rows [r0, r1) against m <= MAXN interleaved tokens; out[t * ldo + r]. */
-static void matvec_il(dot_fn dot, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
-                      const int8_t *xqi, const float *xdi, const int32_t *xsi, int m, float *out,
-                      int64_t ldo) {
+/* rows [r0, r1) against m <= MAXN interleaved tokens; out[t * ldo + r]. kdot (the integer
+ * K-quant dot) where it applies, else dot. */
+static void matvec_il(dot_fn dot, dotk_fn kdot, const uint8_t *w, int64_t row_bytes, int r0,
+                      int r1, int cols, const int8_t *xqi, const float *xdi, const int32_t *xsi,
+                      const int16_t *xs16i, int m, float *out, int64_t ldo) {
     const int nb = cols / 32;
+    if (kdot) {
+        for (int r = r0; r < r1; r++)
+            kdot(w + (int64_t)r * row_bytes, xqi, xdi, xs16i, nb, m, out + r, ldo);
+        return;
+    }
     for (int r = r0; r < r1; r++)
         dot(w + (int64_t)r * row_bytes, xqi, xdi, xsi, nb, cols, m, out + r, ldo);
 }
@@ -417,15 +583,17 @@ void ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, i
     int8_t *xqi = malloc((size_t)MAXN * cols);
     float *xdi = malloc(sizeof(float) * MAXN * nb);
     int32_t *xsi = malloc(sizeof(int32_t) * MAXN * 2 * nb);
+    int16_t *xs16i = malloc(sizeof(int16_t) * MAXN * 2 * nb);
     for (int t0 = 0; t0 < n; t0 += MAXN) {
         const int m = n - t0 < MAXN ? n - t0 : MAXN;
-        interleave(xq, xd, xs, cols, t0, m, xqi, xdi, xsi);
-        matvec_il(dot, w, row_bytes, r0, r1, cols, xqi, xdi, xsi, m, out + (int64_t)t0 * ldo,
-                  ldo);
+        int q8k = interleave(xq, xd, xs, cols, t0, m, xqi, xdi, xsi, xs16i);
+        matvec_il(dot, q8k ? dotk_for(qtype) : 0, w, row_bytes, r0, r1, cols, xqi, xdi, xsi,
+                  xs16i, m, out + (int64_t)t0 * ldo, ldo);
     }
     free(xqi);
     free(xdi);
     free(xsi);
+    free(xs16i);
 }
 
 /* ---- a small thread pool without barriers -------------------------------------------------
@@ -444,12 +612,14 @@ void ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, i
 
 typedef struct {
     dot_fn dot;
+    dotk_fn kdot;
     int rows, cols, n;
     const uint8_t *w;
     int64_t row_bytes;
     const int8_t *xq;
     const float *xd;
     const int32_t *xs;
+    const int16_t *xs16;
     float *out;
 } job_t;
 
@@ -466,8 +636,8 @@ static pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;  /* one job at a t
 static void run_chunk(int c) {
     const job_t *j = &g_job;
     int r0 = c * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < j->rows ? r0 + CHUNK_ROWS : j->rows;
-    matvec_il(j->dot, j->w, j->row_bytes, r0, r1, j->cols, j->xq, j->xd, j->xs, j->n, j->out,
-              j->rows);
+    matvec_il(j->dot, j->kdot, j->w, j->row_bytes, r0, r1, j->cols, j->xq, j->xd, j->xs, j->xs16,
+              j->n, j->out, j->rows);
 }
 
 /* Claim and run chunks of the job whose generation is gen, until none are left. */
@@ -528,13 +698,14 @@ void ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int 
     int8_t *xqi = malloc((size_t)MAXN * cols);
     float *xdi = malloc(sizeof(float) * MAXN * nb);
     int32_t *xsi = malloc(sizeof(int32_t) * MAXN * 2 * nb);
+    int16_t *xs16i = malloc(sizeof(int16_t) * MAXN * 2 * nb);
     pthread_mutex_lock(&g_call_mu);
     ensure_helpers(nthreads - 1);
     for (int t0 = 0; t0 < n; t0 += MAXN) {
         const int m = n - t0 < MAXN ? n - t0 : MAXN;
-        interleave(xq, xd, xs, cols, t0, m, xqi, xdi, xsi);
-        job_t j = {dot_for(qtype), rows, cols, m, w, row_bytes, xqi, xdi, xsi,
-                   out + (int64_t)t0 * rows};
+        int q8k = interleave(xq, xd, xs, cols, t0, m, xqi, xdi, xsi, xs16i);
+        job_t j = {dot_for(qtype), q8k ? dotk_for(qtype) : 0, rows, cols, m, w, row_bytes,
+                   xqi, xdi, xsi, xs16i, out + (int64_t)t0 * rows};
         g_job = j;
         atomic_store(&g_done, 0);
         uint64_t gen = ((atomic_load(&g_ctr) >> 40) + 1) & 0xFFFFFF;
@@ -551,4 +722,5 @@ void ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int 
     free(xqi);
     free(xdi);
     free(xsi);
+    free(xs16i);
 }
