@@ -9,15 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from edgellm.backends import Backend, get_backend
-from edgellm.cache import CacheConfig, CachePlan, KVCache, plan_cache
+from edgellm.cache import CacheConfig, CachePlan, KVCache, default_context, plan_cache
 from edgellm.chat import Message, render_chat
 from edgellm.config import ModelArgs
 from edgellm.converters.gguf_reader import read_gguf
 from edgellm.models import build_model
 from edgellm.store import resolve_model
 from edgellm.tokenizer import Tokenizer
-
-DEFAULT_CONTEXT = 4096
 
 
 @dataclass
@@ -101,7 +99,7 @@ def load(model: str | os.PathLike = "qwen2.5-coder-0.5b-instruct", backend: str 
     net = build_model(gguf.metadata, gguf.tensors, be)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     cache = cache or CacheConfig()
-    ctx = context_length or cache.max_tokens or min(net.args.context_length, DEFAULT_CONTEXT)
+    ctx = context_length or cache.max_tokens or default_context(net.args.context_length)
     if cache.max_bytes is not None:  # the most tokens that fit, up to the model's context
         ctx = context_length or cache.max_tokens or net.args.context_length
         ctx = plan_cache(net.cache_specs(), replace(cache, max_tokens=ctx)).tokens

@@ -62,6 +62,15 @@ class ContextOverflow(ValueError):
 
 
 # -- configuration and planning -------------------------------------------------------------
+#: KV slots when the user states no budget: the model's context, at most this many.
+DEFAULT_CONTEXT = 4096
+
+
+def default_context(model_context: int) -> int:
+    """Tokens a cache holds when no budget is given."""
+    return min(model_context, DEFAULT_CONTEXT)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """What the user chose: the budget, the storage type and the overflow policy.
@@ -185,7 +194,7 @@ def _plan_bytes(specs: list[LayerSpec], tokens: int, config: CacheConfig) -> int
 
 
 def plan_cache(specs: list[LayerSpec], config: CacheConfig,
-               default_tokens: int = 4096) -> CachePlan:
+               default_tokens: int = DEFAULT_CONTEXT) -> CachePlan:
     """Size every layer from the budget; a byte budget becomes the most tokens that fit."""
     tokens = config.max_tokens or default_tokens
     if config.max_bytes is not None:
@@ -545,7 +554,7 @@ class KVCache:
 
 
 def build_cache(backend, specs: list[LayerSpec], config: CacheConfig,
-                default_tokens: int = 4096) -> KVCache:
+                default_tokens: int = DEFAULT_CONTEXT) -> KVCache:
     """Plan, then allocate, a cache for layers ``specs``."""
     plan = plan_cache(specs, config, default_tokens)
     layers = [LayerCache(backend, s, p, config.dtype)

@@ -19,12 +19,12 @@ def default_cache_plan(args: ModelArgs, tokens: int | None = None, dtype: str = 
     """The KV cache ``edgellm.load`` would allocate by default (min(context, 4096) tokens, f16,
     sliding-window layers as rings), planned from the args alone: nothing is loaded.
     """
-    from edgellm.cache import CacheConfig, LayerSpec, plan_cache
+    from edgellm.cache import CacheConfig, LayerSpec, default_context, plan_cache
     from edgellm.models import model_class
 
     windows = model_class(args.architecture).layer_windows(args)
     specs = [LayerSpec(args.n_kv_heads, args.head_dim, w) for w in windows]
-    tokens = tokens or min(args.context_length, 4096)
+    tokens = tokens or default_context(args.context_length)
     return plan_cache(specs, CacheConfig(max_tokens=tokens, dtype=dtype))
 
 

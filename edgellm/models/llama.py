@@ -18,6 +18,7 @@ from edgellm.cache import (
     LayerCache,
     LayerSpec,
     build_cache,
+    default_context,
     with_budget,
 )
 from edgellm.config import ModelArgs
@@ -150,7 +151,7 @@ class Model:
         if dtype:
             config = replace(config, dtype=dtype)
         return build_cache(self.backend, self.cache_specs(), config,
-                           default_tokens=min(self.args.context_length, 4096))
+                           default_tokens=default_context(self.args.context_length))
 
     # -- forward -------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
