@@ -91,6 +91,7 @@ static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m
  * single-token path is the n = 1 case of the same code. Row results go to out[t * ldo]. */
 
 #define MAXN 8
+#define CHUNK_ROWS 16  /* rows per unit of work: their blocks stay in L1 across token groups */
 #define FORCE static inline __attribute__((always_inline))
 
 FORCE void dot_q8_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
@@ -573,27 +574,74 @@ static void matvec_il(dot_fn dot, dotk_fn kdot, const uint8_t *w, int64_t row_by
         dot(w + (int64_t)r * row_bytes, xqi, xdi, xsi, nb, cols, m, out + r, ldo);
 }
 
-/* out[t, r] = dot(w[r], x[t]) for rows r in [r0, r1) and n tokens; out row stride ldo.
- * Tokens go MAXN at a time: each row's blocks are unpacked once per group of tokens. */
-void ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
-               const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
-               int64_t ldo) {
-    dot_fn dot = dot_for(qtype);
+/* n tokens interleaved group by group, MAXN tokens to a group (the last may be short): the
+ * buffers of group g start at g * MAXN tokens' worth of each array. */
+typedef struct {
+    int n, cols, ngroups, q8k;
+    int8_t *xqi;
+    float *xdi;
+    int32_t *xsi;
+    int16_t *xs16i;
+} groups_t;
+
+static int groups_init(groups_t *g, const int8_t *xq, const float *xd, const int32_t *xs, int n,
+                       int cols) {
     const int nb = cols / 32;
-    int8_t *xqi = malloc((size_t)MAXN * cols);
-    float *xdi = malloc(sizeof(float) * MAXN * nb);
-    int32_t *xsi = malloc(sizeof(int32_t) * MAXN * 2 * nb);
-    int16_t *xs16i = malloc(sizeof(int16_t) * MAXN * 2 * nb);
+    g->n = n;
+    g->cols = cols;
+    g->ngroups = (n + MAXN - 1) / MAXN;
+    g->q8k = 1;
+    g->xqi = malloc((size_t)n * cols);
+    g->xdi = malloc(sizeof(float) * n * nb);
+    g->xsi = malloc(sizeof(int32_t) * n * 2 * nb);
+    g->xs16i = malloc(sizeof(int16_t) * n * 2 * nb);
+    if (!g->xqi || !g->xdi || !g->xsi || !g->xs16i) return 0;
     for (int t0 = 0; t0 < n; t0 += MAXN) {
         const int m = n - t0 < MAXN ? n - t0 : MAXN;
-        int q8k = interleave(xq, xd, xs, cols, t0, m, xqi, xdi, xsi, xs16i);
-        matvec_il(dot, q8k ? dotk_for(qtype) : 0, w, row_bytes, r0, r1, cols, xqi, xdi, xsi,
-                  xs16i, m, out + (int64_t)t0 * ldo, ldo);
+        g->q8k &= interleave(xq, xd, xs, cols, t0, m, g->xqi + (int64_t)t0 * cols,
+                             g->xdi + (int64_t)t0 * nb, g->xsi + (int64_t)t0 * 2 * nb,
+                             g->xs16i + (int64_t)t0 * 2 * nb);
     }
-    free(xqi);
-    free(xdi);
-    free(xsi);
-    free(xs16i);
+    return 1;
+}
+
+static void groups_free(groups_t *g) {
+    free(g->xqi);
+    free(g->xdi);
+    free(g->xsi);
+    free(g->xs16i);
+}
+
+/* Rows [r0, r1) against every token group; out[t * ldo + r]. Rows outer, groups inner: a few
+ * rows' blocks stay in L1 while all tokens pass over them, so prefill reads each weight once
+ * (the int8 activations of all tokens sit in L2/L3). */
+static void matvec_groups(dot_fn dot, dotk_fn kdot, const uint8_t *w, int64_t row_bytes, int r0,
+                          int r1, const groups_t *g, float *out, int64_t ldo) {
+    const int nb = g->cols / 32;
+    for (int gi = 0; gi < g->ngroups; gi++) {
+        const int64_t t0 = (int64_t)gi * MAXN;
+        const int m = g->n - t0 < MAXN ? (int)(g->n - t0) : MAXN;
+        matvec_il(dot, kdot, w, row_bytes, r0, r1, g->cols, g->xqi + t0 * g->cols,
+                  g->xdi + t0 * nb, g->xsi + t0 * 2 * nb, g->xs16i + t0 * 2 * nb, m,
+                  out + t0 * ldo, ldo);
+    }
+}
+
+/* out[t, r] = dot(w[r], x[t]) for rows r in [r0, r1) and n tokens; out row stride ldo.
+ * Tokens go MAXN at a time: each row's blocks are unpacked once per group of tokens. */
+int ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
+              const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
+              int64_t ldo) {
+    groups_t g;
+    int ok = groups_init(&g, xq, xd, xs, n, cols);
+    if (ok) {
+        dotk_fn kdot = g.q8k ? dotk_for(qtype) : 0;
+        for (int r = r0; r < r1; r += CHUNK_ROWS)
+            matvec_groups(dot_for(qtype), kdot, w, row_bytes, r,
+                          r + CHUNK_ROWS < r1 ? r + CHUNK_ROWS : r1, &g, out, ldo);
+    }
+    groups_free(&g);
+    return ok ? 0 : -1;
 }
 
 /* ---- a small thread pool without barriers -------------------------------------------------
@@ -606,21 +654,16 @@ void ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, i
 #include <pthread.h>
 #include <stdatomic.h>
 
-#define CHUNK_ROWS 16
 #define MAX_HELPERS 63
 #define SPIN_ITERS 5000  /* ~0.2 ms of pause before sleeping */
 
+/* One parallel job: run(ctx, r0, r1) over row chunks [r0, r1) of CHUNK_ROWS rows. */
+typedef void (*rows_fn)(const void *ctx, int r0, int r1);
+
 typedef struct {
-    dot_fn dot;
-    dotk_fn kdot;
-    int rows, cols, n;
-    const uint8_t *w;
-    int64_t row_bytes;
-    const int8_t *xq;
-    const float *xd;
-    const int32_t *xs;
-    const int16_t *xs16;
-    float *out;
+    rows_fn run;
+    const void *ctx;
+    int rows;
 } job_t;
 
 static job_t g_job;
@@ -636,8 +679,7 @@ static pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;  /* one job at a t
 static void run_chunk(int c) {
     const job_t *j = &g_job;
     int r0 = c * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < j->rows ? r0 + CHUNK_ROWS : j->rows;
-    matvec_il(j->dot, j->kdot, j->w, j->row_bytes, r0, r1, j->cols, j->xq, j->xd, j->xs, j->xs16,
-              j->n, j->out, j->rows);
+    j->run(j->ctx, r0, r1);
 }
 
 /* Claim and run chunks of the job whose generation is gen, until none are left. */
@@ -685,42 +727,95 @@ static void ensure_helpers(int n) {
     }
 }
 
-/* ek_matvec over all rows with nthreads threads (the caller and nthreads - 1 helpers). */
-void ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
-                  const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
-                  int nthreads) {
+/* Run run(ctx, r0, r1) over all rows in chunks, on the caller and nthreads - 1 helpers. */
+static void parallel_rows(rows_fn run, const void *ctx, int rows, int nthreads) {
     const int nchunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
     if (nthreads <= 1 || nchunks < 2 || nchunks >= (1 << 20)) {
-        ek_matvec(qtype, w, row_bytes, 0, rows, cols, xq, xd, xs, n, out, rows);
+        for (int r = 0; r < rows; r += CHUNK_ROWS)
+            run(ctx, r, r + CHUNK_ROWS < rows ? r + CHUNK_ROWS : rows);
         return;
     }
-    const int nb = cols / 32;
-    int8_t *xqi = malloc((size_t)MAXN * cols);
-    float *xdi = malloc(sizeof(float) * MAXN * nb);
-    int32_t *xsi = malloc(sizeof(int32_t) * MAXN * 2 * nb);
-    int16_t *xs16i = malloc(sizeof(int16_t) * MAXN * 2 * nb);
     pthread_mutex_lock(&g_call_mu);
     ensure_helpers(nthreads - 1);
-    for (int t0 = 0; t0 < n; t0 += MAXN) {
-        const int m = n - t0 < MAXN ? n - t0 : MAXN;
-        int q8k = interleave(xq, xd, xs, cols, t0, m, xqi, xdi, xsi, xs16i);
-        job_t j = {dot_for(qtype), q8k ? dotk_for(qtype) : 0, rows, cols, m, w, row_bytes,
-                   xqi, xdi, xsi, xs16i, out + (int64_t)t0 * rows};
-        g_job = j;
-        atomic_store(&g_done, 0);
-        uint64_t gen = ((atomic_load(&g_ctr) >> 40) + 1) & 0xFFFFFF;
-        atomic_store(&g_ctr, CTR(gen, nchunks, 0));
-        if (atomic_load(&g_sleeping) > 0) {
-            pthread_mutex_lock(&g_mu);
-            pthread_cond_broadcast(&g_cv);
-            pthread_mutex_unlock(&g_mu);
-        }
-        work(gen);
-        while (atomic_load(&g_done) < nchunks) _mm_pause();
+    job_t j = {run, ctx, rows};
+    g_job = j;
+    atomic_store(&g_done, 0);
+    uint64_t gen = ((atomic_load(&g_ctr) >> 40) + 1) & 0xFFFFFF;
+    atomic_store(&g_ctr, CTR(gen, nchunks, 0));
+    if (atomic_load(&g_sleeping) > 0) {
+        pthread_mutex_lock(&g_mu);
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
     }
+    work(gen);
+    while (atomic_load(&g_done) < nchunks) _mm_pause();
     pthread_mutex_unlock(&g_call_mu);
-    free(xqi);
-    free(xdi);
-    free(xsi);
-    free(xs16i);
+}
+
+typedef struct {
+    dot_fn dot;
+    dotk_fn kdot;
+    const uint8_t *w;
+    int64_t row_bytes;
+    const groups_t *groups;
+    float *out;
+    int64_t ldo;
+} matvec_job_t;
+
+static void matvec_rows(const void *ctx, int r0, int r1) {
+    const matvec_job_t *j = ctx;
+    matvec_groups(j->dot, j->kdot, j->w, j->row_bytes, r0, r1, j->groups, j->out, j->ldo);
+}
+
+/* ek_matvec over all rows with nthreads threads (the caller and nthreads - 1 helpers).
+ * Returns 0, or -1 when the activation buffers cannot be allocated. */
+int ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
+                 const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
+                 int nthreads) {
+    groups_t g;
+    if (!groups_init(&g, xq, xd, xs, n, cols)) {
+        groups_free(&g);
+        return -1;
+    }
+    matvec_job_t j = {dot_for(qtype), g.q8k ? dotk_for(qtype) : 0, w, row_bytes, &g, out, rows};
+    parallel_rows(matvec_rows, &j, rows, nthreads);
+    groups_free(&g);
+    return 0;
+}
+
+/* ---- elementwise ----------------------------------------------------------------------- */
+
+/* e^x for 8 lanes: x = k ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 Taylor polynomial
+ * (relative error ~2e-7 over the range), 2^k built in the exponent bits. Inputs below -87
+ * give 0 (as expf's denormal range), above 88 give +inf. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.0f), lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    /* k in [-126, 128): 2^k as bits; k = 128 (x near 88.7) overflows to inf as it should */
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    __m256 res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, res);
+}
+
+/* out = silu(gate) * up = gate / (1 + e^-gate) * up over n floats (SwiGLU). */
+void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, den), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }

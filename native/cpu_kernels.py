@@ -16,18 +16,24 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+#: compiled as one unit, in this order (the GEMM uses the mat-vec file's helpers and pool)
+SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_gemm.c"))
 
 CDEF = """
 int ek_supports(int qtype);
 void ek_quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs);
 void ek_quantize_rows_q8k(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs);
-void ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
+int ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
+              const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
+              int64_t ldo);
+int ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
+                 const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
+                 int nthreads);
+int ek_gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
                const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
-               int64_t ldo);
-void ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
-                  const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
-                  int nthreads);
+               int nthreads);
+int ek_has_gemm(void);
+void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n);
 """
 
 #: instruction-set variant -> (cpuinfo flags it needs, compiler flags)
@@ -74,7 +80,8 @@ def _build(variant: str) -> Path:
     import cffi
 
     flags = ["-O3", "-pthread", "-fno-math-errno"] + VARIANTS[variant][1]
-    key = hashlib.sha256((SOURCE.read_text() + CDEF + " ".join(flags)).encode()).hexdigest()[:12]
+    source = "\n".join(path.read_text() for path in SOURCES)
+    key = hashlib.sha256((source + CDEF + " ".join(flags)).encode()).hexdigest()[:12]
     name = f"_edgellm_cpu_{variant}_{key}"
     out_dir = cache_dir()
     found = list(out_dir.glob(name + "*.so")) if out_dir.is_dir() else []
@@ -83,7 +90,7 @@ def _build(variant: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
-    ffi.set_source(name, SOURCE.read_text(), extra_compile_args=flags,
+    ffi.set_source(name, source, extra_compile_args=flags,
                    extra_link_args=["-pthread"])
     return Path(ffi.compile(tmpdir=str(out_dir)))
 

@@ -56,7 +56,7 @@ def backend(request):
 
 @pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,cols", [(77, 256), (300, 512)])
-@pytest.mark.parametrize("n", [1, 3, 37])
+@pytest.mark.parametrize("n", [1, 3, 37, 130])
 def test_matmul(backend, qtype, rows, cols, n):
     tensor = random_tensor(qtype, rows, cols, seed=rows + n)
     x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
@@ -67,6 +67,17 @@ def test_matmul(backend, qtype, rows, cols, n):
                                           backend.asarray(bias)))
     assert got.shape == (n, rows)
     assert np.all(np.abs(got - want) <= int8_activation_bound(w, x) + 1e-4 * np.abs(want))
+
+
+@pytest.mark.parametrize("qtype", [q for q in CORE_TYPES if GGML_QUANT_SIZES[q][0] == 32],
+                         ids=lambda q: q.name)
+def test_matmul_ragged_prefill(backend, qtype):
+    """Prefill shapes that fill no tile: 32 columns past a multiple of 64, 13 rows, 21 tokens."""
+    tensor = random_tensor(qtype, 13, 96, seed=2)
+    x = np.random.default_rng(3).standard_normal((21, 96)).astype(np.float32)
+    w = dequantize(tensor.data, qtype).reshape(13, 96)
+    got = backend.to_numpy(backend.matmul(backend.asarray(x), backend.prepare(tensor)))
+    assert np.all(np.abs(got - x @ w.T) <= int8_activation_bound(w, x))
 
 
 @pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
@@ -99,16 +110,23 @@ def test_rope(backend, neox, n):
                                    atol=1e-4)
 
 
-@pytest.mark.parametrize("n,T,window", [(1, 1, 0), (1, 50, 0), (9, 40, 0), (6, 70, 16)])
+@pytest.mark.parametrize("n,T,window,ring", [(1, 1, 0, False), (1, 50, 0, False),
+                                             (9, 40, 0, False), (6, 70, 16, False),
+                                             (300, 300, 0, False), (200, 450, 64, False),
+                                             (150, 256, 100, True)])
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
-def test_attention(backend, n, T, window, softcap, kv_dtype):
+def test_attention(backend, n, T, window, softcap, kv_dtype, ring):
+    """Decode and prefill shapes, causal and windowed; ``ring``: key slots out of position
+    order (a wrapped ring buffer), so masks are not one contiguous span."""
     rng = np.random.default_rng(T)
     q = rng.standard_normal((n, 8, 64)).astype(np.float32)
     k = rng.standard_normal((T, 2, 64)).astype(kv_dtype)  # the cache's storage type
     v = rng.standard_normal((T, 2, 64)).astype(kv_dtype)
     qpos = np.arange(T - n, T)[:, None]
     kpos = np.arange(T)[None, :]
+    if ring:
+        kpos = np.roll(kpos, 77, axis=1)  # slot j holds position kpos[j]
     mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
     args = (backend.asarray(q), backend.asarray(k), backend.asarray(v), mask, 0.125, softcap)
     got = backend.to_numpy(backend.attention(*args))
@@ -119,6 +137,7 @@ def test_attention(backend, n, T, window, softcap, kv_dtype):
 def test_activations_and_softcap(backend):
     rng = np.random.default_rng(0)
     g, u = (rng.standard_normal((3, 100)).astype(np.float32) * 3 for _ in range(2))
+    g[0, :6] = [-120.0, -88.0, 88.5, 120.0, 0.0, -30.0]  # past exp's range both ways
     for op in ("silu_mul", "gelu_tanh_mul"):
         got = backend.to_numpy(getattr(backend, op)(backend.asarray(g), backend.asarray(u)))
         np.testing.assert_allclose(got, getattr(REF, op)(g, u), rtol=1e-4, atol=1e-5)

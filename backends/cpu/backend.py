@@ -28,10 +28,13 @@ from . import numba_ops
 from .blas_threads import blas_threads
 from .numba_quant import CODES, F16_TABLE, dequant_rows, dequant_rows_serial, matvec
 
-#: below this many tokens a matmul runs the integer mat-vec kernels; above, tiles + BLAS
+#: up to this many tokens the Numba path runs its mat-vec kernels; above, tiles + BLAS. The C
+#: kernels take every batch: rows outer, tokens inner, each weight block read once.
 MATVEC_MAX_TOKENS = 8
 #: up to this many query tokens attention runs the Numba kernel; above, BLAS (reference)
 ATTENTION_KERNEL_MAX_TOKENS = 16
+#: queries per block of prefill attention (each block reads only the keys its mask reaches)
+ATTENTION_QUERY_BLOCK = 128
 #: f32 bytes of one decoded weight tile in prefill (large enough for BLAS to run at speed)
 TILE_BYTES = 16 << 20
 
@@ -115,7 +118,8 @@ class CpuBackend(NumpyBackend):
         x = np.ascontiguousarray(x, dtype=np.float32)  # (n, in)
         if not isinstance(weight, QuantMatrix):
             out = x @ weight.T
-        elif x.shape[0] <= MATVEC_MAX_TOKENS:
+        elif x.shape[0] <= MATVEC_MAX_TOKENS or (self.native is not None
+                                                 and weight.cols % 32 == 0):
             out = self._matvec(x, weight)
         else:
             out = self._matmul_tiled(x, weight)
@@ -140,10 +144,17 @@ class CpuBackend(NumpyBackend):
                     else lib.ek_quantize_rows)
         quantize(ptr("float *", x.ctypes.data), n, w.cols, ptr("int8_t *", xq.ctypes.data),
                  ptr("float *", xd.ctypes.data), ptr("int32_t *", xs.ctypes.data))
-        lib.ek_matvec_mt(int(w.qtype), ptr("uint8_t *", w.data.ctypes.data), w.data.strides[0],
-                         w.rows, w.cols, ptr("int8_t *", xq.ctypes.data),
-                         ptr("float *", xd.ctypes.data), ptr("int32_t *", xs.ctypes.data), n,
-                         ptr("float *", out.ctypes.data), self.threads)
+        args = (int(w.qtype), ptr("uint8_t *", w.data.ctypes.data), w.data.strides[0], w.rows,
+                w.cols, ptr("int8_t *", xq.ctypes.data), ptr("float *", xd.ctypes.data),
+                ptr("int32_t *", xs.ctypes.data), n, ptr("float *", out.ctypes.data),
+                self.threads)
+        # a batch too big for the mat-vec registers (prefill) takes the register-tiled GEMM;
+        # -2: no GEMM in this build (AVX2 only) or for this type
+        status = lib.ek_gemm_mt(*args) if n > MATVEC_MAX_TOKENS else -2
+        if status == -2:
+            status = lib.ek_matvec_mt(*args)
+        if status != 0:
+            raise MemoryError(f"no memory for the int8 activations of {n} tokens x {w.cols}")
         return out
 
     def _matmul_tiled(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
@@ -174,10 +185,56 @@ class CpuBackend(NumpyBackend):
         return numba_ops.rms_norm(np.ascontiguousarray(x, dtype=np.float32), weight,
                                   np.float32(eps))
 
+    def silu_mul(self, gate, up):
+        if self.native is None:
+            return numba_ops.silu_mul(gate, up)
+        gate = np.ascontiguousarray(gate, dtype=np.float32)
+        up = np.ascontiguousarray(up, dtype=np.float32)
+        out = np.empty_like(gate)
+        ffi = self.native.ffi
+        self.native.lib.ek_silu_mul(ffi.cast("float *", gate.ctypes.data),
+                                    ffi.cast("float *", up.ctypes.data),
+                                    ffi.cast("float *", out.ctypes.data), gate.size)
+        return out
+
     def rope(self, x, positions, theta, neox, freq_factors=None, freq_scale=1.0):
         return numba_ops.rope(x, positions, theta, neox, freq_factors, freq_scale)
 
     def attention(self, q, k, v, mask, scale, softcap=0.0):
-        if q.shape[0] > ATTENTION_KERNEL_MAX_TOKENS or k.dtype not in (np.float16, np.float32):
-            return super().attention(q, k, v, mask, scale, softcap)  # prefill: matrix products
+        if k.dtype not in (np.float16, np.float32):
+            return super().attention(q, k, v, mask, scale, softcap)
+        if q.shape[0] > ATTENTION_KERNEL_MAX_TOKENS:
+            return self._attention_blocked(q, k, v, mask, scale, softcap)
         return numba_ops.attention(q, k, v, mask, scale, softcap, F16_TABLE)
+
+    def _attention_blocked(self, q, k, v, mask, scale, softcap):
+        """Prefill attention as matrix products over blocks of queries, each against only the
+        span of keys its mask reaches: a causal mask halves the work, a window cuts it to the
+        window. q (n, H, hd); k, v (T, KVH, hd); mask (n, T) -> (n, H, hd)."""
+        n, n_heads, hd = q.shape
+        n_kv = k.shape[1]
+        group = n_heads // n_kv
+        kt = np.ascontiguousarray(np.asarray(k, dtype=np.float32).transpose(1, 2, 0))  # (KVH, hd, T)
+        vt = np.ascontiguousarray(np.asarray(v, dtype=np.float32).transpose(1, 0, 2))  # (KVH, T, hd)
+        out = np.zeros((n, n_heads, hd), dtype=np.float32)
+        reached = mask.any(axis=1)
+        for q0 in range(0, n, ATTENTION_QUERY_BLOCK):
+            q1 = min(n, q0 + ATTENTION_QUERY_BLOCK)
+            keys = np.flatnonzero(mask[q0:q1].any(axis=0))
+            if len(keys) == 0:
+                continue  # fully masked rows attend to nothing (their output stays zero)
+            j0, j1 = keys[0], keys[-1] + 1
+            m = mask[q0:q1, j0:j1]  # (nb, span)
+            qb = q[q0:q1].reshape(q1 - q0, n_kv, group, hd).transpose(1, 2, 0, 3)  # (KVH, g, nb, hd)
+            scores = qb @ kt[:, None, :, j0:j1]  # (KVH, g, nb, span)
+            scores *= scale
+            if softcap:
+                scores = np.tanh(scores / softcap) * softcap
+            scores[:, :, ~m] = -np.inf
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            block = scores @ vt[:, None, j0:j1]  # (KVH, g, nb, hd)
+            out[q0:q1] = block.transpose(2, 0, 1, 3).reshape(q1 - q0, n_heads, hd)
+        out[~reached] = 0.0
+        return out

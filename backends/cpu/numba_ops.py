@@ -122,3 +122,23 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, sca
     _attention(q, k, v, np.ascontiguousarray(mask), np.float32(scale), np.float32(softcap),
                f16_table, out)
     return out
+
+
+@nb.njit(parallel=True, **_JIT)
+def _silu_mul_rows(gate, up, out):
+    """gate, up, out (rows, d): out = silu(gate) * up, one pass, rows across threads."""
+    for r in nb.prange(gate.shape[0]):
+        for i in range(gate.shape[1]):
+            g = gate[r, i]
+            # clamped: with fastmath, exp overflowing to inf would turn -g/inf into nan
+            e = np.exp(-max(g, np.float32(-88.0)))
+            out[r, i] = g / (np.float32(1.0) + e) * up[r, i]
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """SwiGLU's silu(gate) * up for (..., d) f32 arrays, without numpy's temporaries."""
+    g = np.ascontiguousarray(gate, dtype=np.float32).reshape(-1, gate.shape[-1])
+    u = np.ascontiguousarray(up, dtype=np.float32).reshape(g.shape)
+    out = np.empty_like(g)
+    _silu_mul_rows(g, u, out)
+    return out.reshape(gate.shape)
