@@ -214,8 +214,8 @@ class CpuBackend(NumpyBackend):
         n, n_heads, hd = q.shape
         n_kv = k.shape[1]
         group = n_heads // n_kv
-        kt = np.ascontiguousarray(np.asarray(k, dtype=np.float32).transpose(1, 2, 0))  # (KVH, hd, T)
-        vt = np.ascontiguousarray(np.asarray(v, dtype=np.float32).transpose(1, 0, 2))  # (KVH, T, hd)
+        kt = np.ascontiguousarray(np.asarray(k, np.float32).transpose(1, 2, 0))  # (KVH, hd, T)
+        vt = np.ascontiguousarray(np.asarray(v, np.float32).transpose(1, 0, 2))  # (KVH, T, hd)
         out = np.zeros((n, n_heads, hd), dtype=np.float32)
         reached = mask.any(axis=1)
         for q0 in range(0, n, ATTENTION_QUERY_BLOCK):
@@ -225,7 +225,8 @@ class CpuBackend(NumpyBackend):
                 continue  # fully masked rows attend to nothing (their output stays zero)
             j0, j1 = keys[0], keys[-1] + 1
             m = mask[q0:q1, j0:j1]  # (nb, span)
-            qb = q[q0:q1].reshape(q1 - q0, n_kv, group, hd).transpose(1, 2, 0, 3)  # (KVH, g, nb, hd)
+            # (KVH, g, nb, hd)
+            qb = q[q0:q1].reshape(q1 - q0, n_kv, group, hd).transpose(1, 2, 0, 3)
             scores = qb @ kt[:, None, :, j0:j1]  # (KVH, g, nb, span)
             scores *= scale
             if softcap:
