@@ -94,95 +94,117 @@ static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m
 #define CHUNK_ROWS 16  /* rows per unit of work: their blocks stay in L1 across token groups */
 #define FORCE static inline __attribute__((always_inline))
 
-FORCE void dot_q8_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb, int cols, const int n, float *out, int64_t ldo) {
-    __m256 acc[MAXN];
-    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 34) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
-        __m256i qa = _mm256_sign_epi8(q, q);
-        const float d = f16(w);
-        for (int t = 0; t < n; t++) {
-            __m256i p = dot32(qa, _mm256_sign_epi8(loadx(xq + 32 * ((int64_t)b * n + t)), q));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[b * n + t]), acc[t]);
-        }
-    }
-    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]);
+/* The per-block float accumulation is a chain of dependent FMAs (4 cycles each): even and odd
+ * blocks go to two accumulators so that one token's decode is not bound by that latency. The
+ * order is the same for every n, so batch results stay bit-identical to single-token ones. */
+
+/* lane 0 of an int32 vector minus v (the offset of the unsigned encodings, in integers) */
+static inline __m256i sub_lane0(__m256i p, int v) {
+    return _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128(v)));
 }
 
-FORCE void dot_q4_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb, int cols, const int n, float *out, int64_t ldo) {
-    __m256 acc[MAXN];
-    float off[MAXN];
-    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
-    for (int b = 0; b < nb; b++, w += 18) {
-        const float d = f16(w);
-        __m256i q = nibbles16(w + 2);
-        for (int t = 0; t < n; t++) {
-            float s = d * xd[b * n + t];
-            __m256i p = dot32(q, loadx(xq + 32 * ((int64_t)b * n + t)));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[t]);
-            off[t] += 8.0f * s * (float)(xs[2 * (b * n + t)] + xs[2 * (b * n + t) + 1]);
-        }
+FORCE void blk_q8_0(const uint8_t *w, int b, const int8_t *xq, const float *xd, const int n,
+                    __m256 *acc) {
+    __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
+    __m256i qa = _mm256_sign_epi8(q, q);
+    const float d = f16(w);
+    for (int t = 0; t < n; t++) {
+        __m256i p = dot32(qa, _mm256_sign_epi8(loadx(xq + 32 * ((int64_t)b * n + t)), q));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[b * n + t]), acc[t]);
     }
-    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) - off[t];
 }
 
-FORCE void dot_q4_1_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb, int cols, const int n, float *out, int64_t ldo) {
-    __m256 acc[MAXN];
-    float off[MAXN];
-    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
-    for (int b = 0; b < nb; b++, w += 20) {
-        const float d = f16(w), m = f16(w + 2);
-        __m256i q = nibbles16(w + 4);
-        for (int t = 0; t < n; t++) {
-            __m256i p = dot32(q, loadx(xq + 32 * ((int64_t)b * n + t)));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[b * n + t]), acc[t]);
-            off[t] += m * xd[b * n + t] * (float)(xs[2 * (b * n + t)] + xs[2 * (b * n + t) + 1]);
-        }
-    }
-    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) + off[t];
-}
-
-FORCE void dot_q5_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb, int cols, const int n, float *out, int64_t ldo) {
-    __m256 acc[MAXN];
-    float off[MAXN];
-    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
-    for (int b = 0; b < nb; b++, w += 22) {
+/* Q4_0 / Q5_0: q unsigned (4 or 5 bits) with an offset of 8 or 16, removed in int32. */
+FORCE void blk_q4_0(const uint8_t *w, int b, const int8_t *xq, const float *xd,
+                    const int32_t *xs, const int n, __m256 *acc, const int five) {
+    const float d = f16(w);
+    __m256i q = nibbles16(w + 2 + 4 * five);
+    if (five) {
         uint32_t qh;
         memcpy(&qh, w + 2, 4);
-        const float d = f16(w);
-        __m256i q = _mm256_or_si256(nibbles16(w + 6), bits_to_0x10(qh));
-        for (int t = 0; t < n; t++) {
-            float s = d * xd[b * n + t];
-            __m256i p = dot32(q, loadx(xq + 32 * ((int64_t)b * n + t)));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[t]);
-            off[t] += 16.0f * s * (float)(xs[2 * (b * n + t)] + xs[2 * (b * n + t) + 1]);
-        }
+        q = _mm256_or_si256(q, bits_to_0x10(qh));
     }
-    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) - off[t];
+    const int offset = five ? 16 : 8;
+    for (int t = 0; t < n; t++) {
+        const int64_t bt = (int64_t)b * n + t;
+        __m256i p = sub_lane0(dot32(q, loadx(xq + 32 * bt)), offset * (xs[2 * bt] + xs[2 * bt + 1]));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[bt]), acc[t]);
+    }
 }
 
-FORCE void dot_q5_1_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb, int cols, const int n, float *out, int64_t ldo) {
-    __m256 acc[MAXN];
-    float off[MAXN];
-    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
-    for (int b = 0; b < nb; b++, w += 24) {
+/* Q4_1 / Q5_1: w = d q + m; the m term in float, on its own per-token sum. */
+FORCE void blk_q4_1(const uint8_t *w, int b, const int8_t *xq, const float *xd,
+                    const int32_t *xs, const int n, __m256 *acc, float *off, const int five) {
+    const float d = f16(w), m = f16(w + 2);
+    __m256i q = nibbles16(w + 4 + 4 * five);
+    if (five) {
         uint32_t qh;
         memcpy(&qh, w + 4, 4);
-        const float d = f16(w), m = f16(w + 2);
-        __m256i q = _mm256_or_si256(nibbles16(w + 8), bits_to_0x10(qh));
-        for (int t = 0; t < n; t++) {
-            __m256i p = dot32(q, loadx(xq + 32 * ((int64_t)b * n + t)));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[b * n + t]), acc[t]);
-            off[t] += m * xd[b * n + t] * (float)(xs[2 * (b * n + t)] + xs[2 * (b * n + t) + 1]);
-        }
+        q = _mm256_or_si256(q, bits_to_0x10(qh));
     }
-    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) + off[t];
+    for (int t = 0; t < n; t++) {
+        const int64_t bt = (int64_t)b * n + t;
+        __m256i p = dot32(q, loadx(xq + 32 * bt));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[bt]), acc[t]);
+        off[t] += m * xd[bt] * (float)(xs[2 * bt] + xs[2 * bt + 1]);
+    }
 }
+
+/* Two accumulator sets, even and odd blocks; summed per token at the end. */
+#define ACC2_BEGIN                                                                            \
+    __m256 acc0[MAXN], acc1[MAXN];                                                            \
+    float off0[MAXN], off1[MAXN];                                                             \
+    for (int t = 0; t < n; t++)                                                               \
+        acc0[t] = acc1[t] = _mm256_setzero_ps(), off0[t] = off1[t] = 0.0f;
+#define ACC2_END                                                                              \
+    for (int t = 0; t < n; t++)                                                               \
+        out[(int64_t)t * ldo] = hsum8(_mm256_add_ps(acc0[t], acc1[t])) + (off0[t] + off1[t]);
+
+FORCE void dot_q8_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb, int cols, const int n, float *out, int64_t ldo) {
+    (void)xs; (void)cols;
+    ACC2_BEGIN
+    int b = 0;
+    for (; b + 1 < nb; b += 2, w += 68) {
+        blk_q8_0(w, b, xq, xd, n, acc0);
+        blk_q8_0(w + 34, b + 1, xq, xd, n, acc1);
+    }
+    if (b < nb) blk_q8_0(w, b, xq, xd, n, acc0);
+    ACC2_END
+}
+
+#define DOT_OFFSET_TYPE(name, bytes, five)                                                    \
+    FORCE void name(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,   \
+                    int nb, int cols, const int n, float *out, int64_t ldo) {                 \
+        (void)cols;                                                                           \
+        ACC2_BEGIN                                                                            \
+        int b = 0;                                                                            \
+        for (; b + 1 < nb; b += 2, w += 2 * (bytes)) {                                        \
+            blk_q4_0(w, b, xq, xd, xs, n, acc0, five);                                        \
+            blk_q4_0(w + (bytes), b + 1, xq, xd, xs, n, acc1, five);                          \
+        }                                                                                     \
+        if (b < nb) blk_q4_0(w, b, xq, xd, xs, n, acc0, five);                                \
+        ACC2_END                                                                              \
+    }
+
+#define DOT_MIN_TYPE(name, bytes, five)                                                       \
+    FORCE void name(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,   \
+                    int nb, int cols, const int n, float *out, int64_t ldo) {                 \
+        (void)cols;                                                                           \
+        ACC2_BEGIN                                                                            \
+        int b = 0;                                                                            \
+        for (; b + 1 < nb; b += 2, w += 2 * (bytes)) {                                        \
+            blk_q4_1(w, b, xq, xd, xs, n, acc0, off0, five);                                  \
+            blk_q4_1(w + (bytes), b + 1, xq, xd, xs, n, acc1, off1, five);                    \
+        }                                                                                     \
+        if (b < nb) blk_q4_1(w, b, xq, xd, xs, n, acc0, off0, five);                          \
+        ACC2_END                                                                              \
+    }
+
+DOT_OFFSET_TYPE(dot_q4_0_n, 18, 0)
+DOT_OFFSET_TYPE(dot_q5_0_n, 22, 1)
+DOT_MIN_TYPE(dot_q4_1_n, 20, 0)
+DOT_MIN_TYPE(dot_q5_1_n, 24, 1)
 
 /* Q4_K / Q5_K superblock: d, dmin (f16), 12 bytes of 6-bit scales/mins, [qh 32], qs 128. */
 FORCE void dot_qk_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
