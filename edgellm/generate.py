@@ -99,9 +99,10 @@ def speculative_generate_step(
             room = cache.max_tokens - cache.offset  # a plain cache refuses past max_tokens
             if room > 0:  # keep the round below the last slot, so "context" ends as plain
                 k = max(0, min(k, room - 2))
-            drafted_before = drafter.seconds
+            seconds_before, steps_before = drafter.seconds, getattr(drafter, "steps", 0)
             draft = drafter.propose(context, k, params, process, rng)
-            draft_seconds = drafter.seconds - drafted_before
+            draft_seconds = drafter.seconds - seconds_before
+            draft_steps = getattr(drafter, "steps", 0) - steps_before
             feed = [context[-1], *draft.tokens]  # (k+1,): the last token, then the draft
             start = time.perf_counter()
             target_logits = net.forward(np.asarray(feed), cache, all_logits=True)  # (k+1, V)
@@ -110,8 +111,8 @@ def speculative_generate_step(
             accepted = len(tokens) - 1
             cache.trim(len(draft.tokens) - accepted)  # drop the rejected drafts' slots
             drafter.accept(len(context) + accepted)
-            controller.record(len(draft.tokens), accepted, draft_seconds, len(feed),
-                              target_seconds)
+            controller.record(k, len(draft.tokens), accepted, draft_seconds, draft_steps,
+                              len(feed), target_seconds)
             stats.target_passes += 1
             stats.draft_passes = getattr(drafter, "passes", 0)
             stats.draft_lengths.append(len(draft.tokens))

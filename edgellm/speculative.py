@@ -103,6 +103,7 @@ class Drafter(Protocol):
     """Proposes tokens after ``context``; told afterwards how much of its proposal survived."""
 
     seconds: float  # time spent proposing so far (the controller measures draft cost with it)
+    steps: int  # draft forward passes charged to ``seconds`` (0 for a drafter without a model)
 
     def prefill(self, context: Sequence[int]) -> None:
         """Take in the context up front (outside the per-token cost measurements)."""
@@ -181,6 +182,7 @@ class ModelDrafter:
         self.min_confidence = min_confidence
         self.fed = cache.offset  # the cache holds context[:fed]
         self.seconds = 0.0  # time spent in draft steps (the controller reads it)
+        self.steps = 0  # draft steps charged to ``seconds``
         self.catchup_seconds = 0.0  # time spent feeding tokens decoded while drafting was off
         self.passes = 0  # forward passes of the draft model after prefill
         self.broken = False  # set when the draft cache is full: drafting stops
@@ -224,6 +226,7 @@ class ModelDrafter:
                     self.catchup_seconds += spent
                 else:
                     self.seconds += spent
+                    self.steps += 1
                 self.fed += len(pending)
                 if confidence < self.min_confidence:
                     break
@@ -257,6 +260,7 @@ class NgramDrafter:
     def __init__(self, max_n: int = 4, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
         self.seconds = 0.0
+        self.steps = 0
 
     def propose(self, context, k, params, process, rng) -> Draft:
         if k == 0:
@@ -321,13 +325,17 @@ class DraftLengthController:
     """Chooses the draft length k of each round.
 
     Pinned (``fixed``) or adaptive: from the measured acceptance rate a (an exponential
-    average over drafted tokens), the draft's cost per token c and the target's cost T(n) of a
-    pass over n tokens (a least-squares line over recent passes), a round with k drafted tokens
-    yields (1 - a^(k+1)) / (1 - a) tokens for k*c + T(k+1) seconds; k = 0 is a plain step,
-    1 token for T(1). It picks the k with the best tokens per second. While k = 0 wins it
-    probes with a short draft after ``probe_every`` steps (doubling while probes fail, up to
-    16x) so a rising acceptance is noticed. Draft catch-up passes after plain steps are not
-    charged to the per-token draft cost.
+    average), the draft's cost per step c (the median of recent steps, so one step slowed by
+    a busy machine does not switch drafting off) and the target's cost T(n) of a pass over n
+    tokens (a least-squares line over recent passes), a round with k drafted tokens yields
+    (1 - a^(k+1)) / (1 - a) tokens for k*c + T(k+1) seconds; k = 0 is a plain step, 1 token
+    for T(1). It picks the k with the best tokens per second.
+
+    Every drafted token up to the first rejection is an observation of a; so is a proposal cut
+    short (the draft model unsure of its next token, or no n-gram match): the target then
+    supplies that token itself, exactly as after a rejection. While k = 0 wins it probes with a
+    short draft after ``probe_every`` plain steps (doubling while probes fail, up to 4x) so a
+    rising acceptance is noticed. Draft catch-up passes after plain steps are not draft steps.
     """
 
     def __init__(self, fixed: int | None = None, max_k: int = 7, initial_k: int = 3,
@@ -338,13 +346,20 @@ class DraftLengthController:
         self.fixed, self.max_k, self.initial_k = fixed, max_k, initial_k
         self.acceptance = acceptance_prior
         self.draft_cost_prior = draft_cost_prior  # c / T(1) before anything is measured
-        self.draft_cost: float | None = None  # seconds per drafted token
+        self.step_costs: deque[float] = deque(maxlen=16)  # seconds of recent draft steps
+        self.free_draft = False  # a drafter without model steps (n-gram): c ~ 0
         self.smoothing = smoothing
         self.probe_every = probe_every
         self.passes: deque[tuple[int, float]] = deque(maxlen=48)  # (tokens, seconds)
         self.plain_steps = 0
         self.probe_interval = probe_every  # doubles after each probe that changes nothing
-        self.unpaid_draft_seconds = 0.0
+
+    @property
+    def draft_cost(self) -> float | None:
+        """Seconds per draft step as measured (None before the first step)."""
+        if self.free_draft:
+            return 0.0
+        return float(np.median(self.step_costs)) if self.step_costs else None
 
     def next_length(self) -> int:
         """k for the next round (max_k 7 keeps a verification pass at <= 8 tokens, the batch
@@ -359,7 +374,7 @@ class DraftLengthController:
             if self.plain_steps >= self.probe_interval:
                 # a probe costs a catch-up pass of the draft: back off while probes fail
                 self.plain_steps = 0
-                self.probe_interval = min(2 * self.probe_interval, 16 * self.probe_every)
+                self.probe_interval = min(2 * self.probe_interval, 4 * self.probe_every)
                 return 2
         else:
             self.plain_steps = 0
@@ -380,7 +395,8 @@ class DraftLengthController:
 
     def best_length(self) -> int:
         t1 = self.target_cost(1)
-        c = self.draft_cost if self.draft_cost is not None else self.draft_cost_prior * t1
+        c = self.draft_cost
+        c = self.draft_cost_prior * t1 if c is None else c
         a = min(self.acceptance, 0.999)
         best_k, best_rate = 0, 1.0 / t1
         for k in range(1, self.max_k + 1):
@@ -390,22 +406,19 @@ class DraftLengthController:
                 best_k, best_rate = k, rate
         return best_k
 
-    def record(self, drafted: int, accepted: int, draft_seconds: float, target_tokens: int,
-               target_seconds: float) -> None:
-        """Measurements of one round: k drafted, j accepted, and what each side cost."""
+    def record(self, requested: int, drafted: int, accepted: int, draft_seconds: float,
+               draft_steps: int, target_tokens: int, target_seconds: float) -> None:
+        """Measurements of one round: k requested, ``drafted`` proposed in ``draft_steps``
+        model steps, ``accepted`` of them kept, and what each side cost."""
         self.passes.append((target_tokens, target_seconds))
-        if drafted == 0:  # a draft pass that proposed nothing is charged to the next tokens
-            self.unpaid_draft_seconds += draft_seconds
-            return
-        draft_seconds += self.unpaid_draft_seconds
-        self.unpaid_draft_seconds = 0.0
+        if draft_steps:
+            self.step_costs.append(draft_seconds / draft_steps)
+        elif drafted:
+            self.free_draft = True
         s = self.smoothing
-        # every drafted token up to and including the first rejection is an observation
-        for ok in [True] * accepted + [False] * (accepted < drafted):
+        cut_short = accepted < drafted or drafted < requested
+        for ok in [True] * accepted + [False] * (requested > 0 and cut_short):
             self.acceptance += s * ((1.0 if ok else 0.0) - self.acceptance)
-        per_token = draft_seconds / drafted
-        self.draft_cost = per_token if self.draft_cost is None else (
-            self.draft_cost + s * (per_token - self.draft_cost))
 
 
 # --------------------------------------------------------------------------- verification

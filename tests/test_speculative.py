@@ -145,15 +145,36 @@ def test_ngram_lookup_continues_the_latest_match():
 def test_controller_drafts_when_it_pays_and_stops_when_it_does_not():
     ctl = DraftLengthController()
     for _ in range(20):  # cheap draft, cheap verification, everything accepted
-        ctl.record(4, 4, 0.04, 5, 1.2)
-        ctl.record(0, 0, 0.0, 1, 1.0)
+        ctl.record(4, 4, 4, 0.04, 4, 5, 1.2)
+        ctl.record(0, 0, 0, 0.0, 0, 1, 1.0)
     assert ctl.next_length() >= 4
     ctl = DraftLengthController(probe_every=5)
     for _ in range(30):  # expensive draft, nothing accepted
-        ctl.record(2, 0, 1.0, 3, 1.3)
-        ctl.record(0, 0, 0.0, 1, 1.0)
+        ctl.record(2, 2, 0, 1.0, 2, 3, 1.3)
+        ctl.record(0, 0, 0, 0.0, 0, 1, 1.0)
     lengths = [ctl.next_length() for _ in range(10)]
     assert lengths.count(0) >= 8 and max(lengths) > 0  # off, with an occasional probe
+
+
+def test_controller_is_not_thrown_by_unsure_drafts_or_one_slow_step():
+    """Proposals the draft cut short cost their steps, not more; one step slowed by a busy
+    machine does not switch drafting off (a draft at 30% of the target, 85% accepted)."""
+    ctl = DraftLengthController()
+    ctl.record(3, 0, 0, 0.09, 1, 1, 0.22)  # unsure at once: one step, nothing proposed
+    ctl.record(3, 0, 0, 0.07, 1, 1, 0.22)
+    ctl.record(1, 1, 0, 0.9, 1, 2, 0.24)  # a step that took 10x as long
+    for _ in range(10):
+        ctl.record(3, 3, 3, 0.21, 3, 4, 0.26)
+        ctl.record(3, 3, 2, 0.21, 3, 4, 0.26)
+    assert ctl.draft_cost == pytest.approx(0.07, rel=0.01)
+    assert ctl.next_length() >= 2  # a ~ 0.79 here: k = 2 gives 6.2 t/s against 4.5 plain
+
+
+def test_controller_treats_a_short_proposal_as_a_miss():
+    ctl = DraftLengthController(acceptance_prior=0.9)
+    for _ in range(20):  # the n-gram drafter finds nothing to propose
+        ctl.record(4, 0, 0, 0.0, 0, 1, 1.0)
+    assert ctl.acceptance < 0.2
 
 
 # --------------------------------------------------------------------------- distribution
