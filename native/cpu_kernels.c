@@ -78,6 +78,22 @@ static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m
     }
 }
 
+/* All 8 scales and mins of a Q4_K/Q5_K superblock at once, on 32-bit words (a, b, c are
+ * bytes 0-3, 4-7, 8-11): sub-blocks 0-3 keep their low 6 bits in a (scales) and b (mins);
+ * 4-7 take 4 bits from c and their top 2 bits from bits 6-7 of a and b. */
+static inline void scales_mins_k4(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t a, b, c, lo[2], hi[2];
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    lo[0] = a & 0x3f3f3f3fu;
+    lo[1] = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    hi[0] = b & 0x3f3f3f3fu;
+    hi[1] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+    memcpy(sc, lo, 8);
+    memcpy(mn, hi, 8);
+}
+
 /* ---- row dot products: one weight row (nb blocks) . n quantized activation rows -----------
  * The activations come interleaved by block (see interleave below): token t's block b is
  * xq + 32 * (b * n + t) (int8), its scale xd[b * n + t] and its 16-element sums
@@ -367,10 +383,10 @@ FORCE void dot_qk_int_n(const uint8_t *w, const int8_t *xq, const float *xd, con
         const float d = f16(w), dmin = f16(w + 2);
         const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
         uint8_t sc[8], mn[8];
-        for (int j = 0; j < 8; j++) scale_min_k4(j, w + 4, &sc[j], &mn[j]);
-        const __m256i mins16 = _mm256_setr_epi16(mn[0], mn[0], mn[1], mn[1], mn[2], mn[2], mn[3],
-                                                 mn[3], mn[4], mn[4], mn[5], mn[5], mn[6], mn[6],
-                                                 mn[7], mn[7]);
+        scales_mins_k4(w + 4, sc, mn);
+        /* (16,) int16: each sub-block's min for both of its 16-element halves */
+        const __m128i m8 = _mm_loadl_epi64((const __m128i *)mn);
+        const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
         __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
         __m256i isum[MAXN];
         for (int t = 0; t < n; t++) isum[t] = _mm256_setzero_si256();
