@@ -429,6 +429,7 @@ FORCE void dot_q6_k_int_n(const uint8_t *w, const int8_t *xq, const float *xd,
     for (int sb = 0; sb < nb / 8; sb++, w += 210) {
         const float d = f16(w + 208);
         const int8_t *scales = (const int8_t *)(w + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
         __m256i isum[MAXN];
         for (int t = 0; t < n; t++) isum[t] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
@@ -447,15 +448,22 @@ FORCE void dot_q6_k_int_n(const uint8_t *w, const int8_t *xq, const float *xd,
                                                     _mm256_set1_epi8(0x30)));
             for (int k = 0; k < 4; k++) {
                 const int b = sb * 8 + 4 * h + k;
+                /* lanes 0-7: the scale of the block's first 16, 8-15: of its second 16 */
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+                const __m256i pick = _mm256_add_epi16(
+                    _mm256_set1_epi16((short)(8 * h + 2 * k)),
+                    _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+                const __m256i s16 = _mm256_permutexvar_epi16(pick, sc16);
+#else
                 const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(scales[8 * h + 2 * k + 1]),
                                                      _mm_set1_epi16(scales[8 * h + 2 * k]));
+#endif
                 for (int t = 0; t < n; t++) {
                     __m256i p = _mm256_maddubs_epi16(q[k], loadx(xq + 32 * ((int64_t)b * n + t)));
                     isum[t] = madd_acc(isum[t], p, s16);
                 }
             }
         }
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
         for (int t = 0; t < n; t++) {
             const float D = xd[(sb * 8) * n + t];
             __m256i xs = _mm256_loadu_si256((const __m256i *)(xs16 + 16 * ((int64_t)sb * n + t)));
