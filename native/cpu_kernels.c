@@ -110,6 +110,14 @@ static inline void scales_mins_k4(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]
 #define CHUNK_ROWS 16  /* rows per unit of work: their blocks stay in L1 across token groups */
 #define FORCE static inline __attribute__((always_inline))
 
+/* Weight rows are streamed once per token; this VM's hardware prefetchers alone leave a core
+ * at ~7 GB/s on them, so each step asks for the bytes PREFETCH_AHEAD further on (measured on
+ * a 150k-row Q8_0 matrix, one thread: 7 GB/s without, 10 GB/s at 2 KB ahead). */
+#define PREFETCH_AHEAD 2048
+#define PREFETCH(p, bytes)                                                                    \
+    for (int pf_ = 0; pf_ < (bytes); pf_ += 64)                                               \
+        _mm_prefetch((const char *)(p) + PREFETCH_AHEAD + pf_, _MM_HINT_T0)
+
 /* The per-block float accumulation is a chain of dependent FMAs (4 cycles each): even and odd
  * blocks go to two accumulators so that one token's decode is not bound by that latency. The
  * order is the same for every n, so batch results stay bit-identical to single-token ones. */
@@ -176,18 +184,58 @@ FORCE void blk_q4_1(const uint8_t *w, int b, const int8_t *xq, const float *xd,
     for (int t = 0; t < n; t++)                                                               \
         out[(int64_t)t * ldo] = hsum8(_mm256_add_ps(acc0[t], acc1[t])) + (off0[t] + off1[t]);
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Q8_0 on 512-bit vectors, two blocks per step: |q| . (x signed as q), one vpdpbusd, and
+ * per-lane scales (lanes 0-7: block b's d * xd, 8-15: block b+1's). The same steps for every
+ * n, so batch results stay bit-identical to single-token ones. */
+FORCE void dot_q8_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int nb, int cols, const int n, float *out, int64_t ldo) {
+    (void)xs; (void)cols;
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[MAXN];
+    for (int t = 0; t < n; t++) acc[t] = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 1 < nb; b += 2, w += 68) {
+        PREFETCH(w, 68);
+        const __m512i q = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
+            _mm256_loadu_si256((const __m256i *)(w + 36)), 1);
+        const __m512i qa = _mm512_abs_epi8(q);
+        const __mmask64 neg = _mm512_movepi8_mask(q);
+        const __m128 d = _mm_cvtph_ps(_mm_setr_epi16(*(const short *)w, *(const short *)(w + 34),
+                                                    0, 0, 0, 0, 0, 0));
+        for (int t = 0; t < n; t++) {
+            const __m512i x = _mm512_inserti64x4(
+                _mm512_castsi256_si512(loadx(xq + 32 * ((int64_t)b * n + t))),
+                loadx(xq + 32 * ((int64_t)(b + 1) * n + t)), 1);
+            const __m512i xs8 = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qa, xs8);
+            const __m128 s2 = _mm_mul_ps(d, _mm_setr_ps(xd[b * n + t], xd[(b + 1) * n + t], 0, 0));
+            const __m512 sv = _mm512_permutexvar_ps(half, _mm512_castps128_ps512(s2));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sv, acc[t]);
+        }
+    }
+    __m256 tail[MAXN];
+    for (int t = 0; t < n; t++) tail[t] = _mm256_setzero_ps();
+    if (b < nb) blk_q8_0(w, b, xq, xd, n, tail);
+    for (int t = 0; t < n; t++)
+        out[(int64_t)t * ldo] = _mm512_reduce_add_ps(acc[t]) + hsum8(tail[t]);
+}
+#else
 FORCE void dot_q8_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
                       int nb, int cols, const int n, float *out, int64_t ldo) {
     (void)xs; (void)cols;
     ACC2_BEGIN
     int b = 0;
     for (; b + 1 < nb; b += 2, w += 68) {
+        PREFETCH(w, 68);
         blk_q8_0(w, b, xq, xd, n, acc0);
         blk_q8_0(w + 34, b + 1, xq, xd, n, acc1);
     }
     if (b < nb) blk_q8_0(w, b, xq, xd, n, acc0);
     ACC2_END
 }
+#endif
 
 #define DOT_OFFSET_TYPE(name, bytes, five)                                                    \
     FORCE void name(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,   \
@@ -196,6 +244,7 @@ FORCE void dot_q8_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const
         ACC2_BEGIN                                                                            \
         int b = 0;                                                                            \
         for (; b + 1 < nb; b += 2, w += 2 * (bytes)) {                                        \
+            PREFETCH(w, 2 * (bytes));                                                 \
             blk_q4_0(w, b, xq, xd, xs, n, acc0, five);                                        \
             blk_q4_0(w + (bytes), b + 1, xq, xd, xs, n, acc1, five);                          \
         }                                                                                     \
@@ -210,6 +259,7 @@ FORCE void dot_q8_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const
         ACC2_BEGIN                                                                            \
         int b = 0;                                                                            \
         for (; b + 1 < nb; b += 2, w += 2 * (bytes)) {                                        \
+            PREFETCH(w, 2 * (bytes));                                                 \
             blk_q4_1(w, b, xq, xd, xs, n, acc0, off0, five);                                  \
             blk_q4_1(w + (bytes), b + 1, xq, xd, xs, n, acc1, off1, five);                    \
         }                                                                                     \
@@ -231,6 +281,7 @@ FORCE void dot_qk_n(const uint8_t *w, const int8_t *xq, const float *xd, const i
     float off[MAXN];
     for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
     for (int sb = 0; sb < nsb; sb++, w += bytes) {
+        PREFETCH(w, bytes);
         const float d = f16(w), dmin = f16(w + 2);
         const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
         __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
@@ -282,6 +333,7 @@ FORCE void dot_q6_k_n(const uint8_t *w, const int8_t *xq, const float *xd, const
     float off[MAXN];
     for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
     for (int sb = 0; sb < nb / 8; sb++, w += 210) {
+        PREFETCH(w, 210);
         const float d = f16(w + 208);
         const int8_t *scales = (const int8_t *)(w + 192);
         for (int h = 0; h < 2; h++) {
@@ -380,6 +432,7 @@ FORCE void dot_qk_int_n(const uint8_t *w, const int8_t *xq, const float *xd, con
     __m256 acc[MAXN];
     for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++, w += bytes) {
+        PREFETCH(w, bytes);
         const float d = f16(w), dmin = f16(w + 2);
         const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
         uint8_t sc[8], mn[8];
@@ -427,6 +480,7 @@ FORCE void dot_q6_k_int_n(const uint8_t *w, const int8_t *xq, const float *xd,
     __m256 acc[MAXN];
     for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps();
     for (int sb = 0; sb < nb / 8; sb++, w += 210) {
+        PREFETCH(w, 210);
         const float d = f16(w + 208);
         const int8_t *scales = (const int8_t *)(w + 192);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
