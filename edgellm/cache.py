@@ -237,6 +237,7 @@ class FloatStore:
 
     def __init__(self, backend, slots: int, n_kv_heads: int, head_dim: int, dtype: str):
         shape = (slots, n_kv_heads, head_dim)
+        self.dtype = dtype  # of the arrays read() returns
         self.keys = backend.zeros(shape, dtype)
         self.values = backend.zeros(shape, dtype)
 
@@ -250,6 +251,10 @@ class FloatStore:
 
     def read(self) -> tuple[Any, Any]:
         return self.keys, self.values
+
+    def as_stored(self, x: Any) -> Any:
+        """x (n, KVH, hd) as write() would keep it (assignment into the typed storage)."""
+        return x
 
 
 def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -277,6 +282,7 @@ class Q8Store:
             raise ValueError(f"q8_0 KV storage needs a head size divisible by {Q8_BLOCK}, "
                              f"not {head_dim}: use --kv-dtype float16")
         self.backend = backend
+        self.dtype = "float32"  # of the arrays read() returns (dequantized)
         self.q = np.zeros((2, slots, n_kv_heads, head_dim), np.int8)  # keys, values
         self.d = np.zeros((2, slots, n_kv_heads, head_dim // Q8_BLOCK), np.float16)
 
@@ -291,6 +297,10 @@ class Q8Store:
     def read(self) -> tuple[Any, Any]:
         k, v = dequantize_q8_0(self.q, self.d)
         return self.backend.asarray(k), self.backend.asarray(v)
+
+    def as_stored(self, x: Any) -> Any:
+        """x (n, KVH, hd) as write() then read() would give it back: rounded to Q8_0."""
+        return self.backend.asarray(dequantize_q8_0(*quantize_q8_0(self.backend.to_numpy(x))))
 
 
 # -- one layer ----------------------------------------------------------------------------
@@ -435,8 +445,14 @@ class LayerCache:
         return keys, values
 
     def _concat(self, stored: Any, new: Any) -> Any:
-        b = self.backend
-        return b.asarray(np.concatenate([b.to_numpy(stored), b.to_numpy(new)]))
+        """stored rows, then the new rows as the store keeps them, in the store's dtype: an
+        update too long to write first must attend over the same values (f16-rounded keys
+        in an f16 cache) as one written in place, and attention sees the cache's dtype."""
+        b, m = self.backend, stored.shape[0]
+        out = b.zeros((m + new.shape[0], *stored.shape[1:]), self.store.dtype)
+        out[:m] = stored
+        out[m:] = self.store.as_stored(new)
+        return out
 
     # -- rollback ---------------------------------------------------------------------------
     def max_trim(self) -> int:
