@@ -9,8 +9,8 @@ from .base import Backend
 # name -> (module, class[, preset options]); modules are relative to this package.
 _REGISTRY: dict[str, tuple] = {
     "numpy": (".numpy_backend", "NumpyBackend"),
-    # the reference with llama.cpp's 8-bit activation rounding (for comparisons with it)
-    "numpy-ggml": (".numpy_backend", "NumpyBackend", {"ggml_activations": True}),
+    # the reference with llama.cpp's CPU arithmetic (8-bit activations, f16 attention, ...)
+    "numpy-ggml": (".numpy_backend", "NumpyBackend", {"ggml_numerics": True}),
     "cpu": (".cpu", "CpuBackend"),
 }
 

@@ -140,7 +140,10 @@ def test_activations_and_softcap(backend):
     g[0, :6] = [-120.0, -88.0, 88.5, 120.0, 0.0, -30.0]  # past exp's range both ways
     for op in ("silu_mul", "gelu_tanh_mul"):
         got = backend.to_numpy(getattr(backend, op)(backend.asarray(g), backend.asarray(u)))
-        np.testing.assert_allclose(got, getattr(REF, op)(g, u), rtol=1e-4, atol=1e-5)
+        # llama.cpp's GELU is an f16 table (input and output rounded to 11 bits: ~1e-3)
+        rtol = 1e-3 if op == "gelu_tanh_mul" and backend.ggml_numerics else 1e-4
+        np.testing.assert_allclose(got, getattr(REF, op)(g, u), rtol=rtol, atol=1e-4 if
+                                   rtol > 1e-4 else 1e-5)
     got = backend.to_numpy(backend.softcap(backend.asarray(g * 20), 30.0))
     np.testing.assert_allclose(got, REF.softcap(g * 20, 30.0), rtol=1e-5, atol=1e-5)
     got = backend.to_numpy(backend.scale(backend.asarray(g), 2.5))
