@@ -136,11 +136,19 @@ def test_cache_bytes_are_known_before_allocation(tiny):
     assert "KV cache: 100 tokens" in plan.describe()
 
 
-# Measured with numpy (f32) and cpu backends, f16 rings or an f32 linear cache holding all
-# 2048 tokens with the window as a mask: the same 1959/2048 = 95.7% (per 512 block: 96.9,
-# 96.5, 96.5, 95.7%), largest missed reference margin 0.556. The first block never reaches
-# past the window, so the gap to llama.cpp is the f32 numerics (llama.cpp rounds activations
-# to 8 bits), not the rings: ring and linear argmaxes are identical at every position.
+# The reference is llama.cpp (CPU, 2 threads) with flash attention off, f16 KV cache and a
+# full-size SWA cache, fed 512 tokens per decode call: that reproduces it at 2048/2048
+# (threads, n_ubatch 256..2048 and n_ctx 4096 change nothing). llama.cpp's other equally
+# valid settings do not: flash attention on (its CPU default, "auto") agrees at 94.6%, an
+# f32 KV cache 95.4%, the small SWA cache 97.7%, one token per decode call 95.6% (the first
+# two miss up to margin 0.78). Gemma 3 under llama.cpp's 8-bit activation rounding is
+# chaotic: a last-bit difference (summation order, one f16 rounding) moves whole int8 steps
+# downstream. Our numpy-ggml with its matmuls summed in f64 instead of f32 agrees with itself
+# at only 94.6% over 1024 tokens, while plain f32 numpy (no 8-bit steps) does not move at
+# all. So ~95% is the floor for anything not bit-identical to that llama.cpp build, and 99%
+# is out of reach. Measured here (per 512 block): numpy 1959/2048 = 95.7% (96.5, 95.7, 94.9,
+# 95.5), worst missed margin 0.556; numpy-ggml 95.0%, worst 0.781; cpu 95.0%, worst 0.556.
+# The first block never reaches past the window, so the gap is numerics, not the rings.
 MIN_LONG_AGREEMENT = 0.95
 MAX_LONG_MISSED_MARGIN = 0.6
 
