@@ -582,8 +582,9 @@ void ek_quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd, in
             int8_t *q = xq + (int64_t)t * cols + 32 * b;
             float amax = 0.0f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
-            /* ggml's Q8_0: q from the f32 scale, the scale itself kept as f16 */
-            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            /* ggml's Q8_0 (x86 quantize_row_q8_0): q = round(x * (127 / amax)), the scale
+             * amax / 127 kept as f16 */
+            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             int s0 = 0, s1 = 0;
             for (int i = 0; i < 16; i++) {
                 int a = (int)nearbyintf(v[i] * inv), c = (int)nearbyintf(v[i + 16] * inv);
