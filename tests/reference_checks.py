@@ -19,19 +19,8 @@ REFERENCE_FILES = {
 }
 REFERENCE_DIR = Path(__file__).parent / "reference"
 
-#: Teacher-forced top-1 agreement with llama.cpp each model must reach (default 97%).
-#: Gemma 3's is lower because llama.cpp's 8-bit activation rounding makes it chaotic: a
-#: last-bit difference anywhere (summation order, one f16 rounding) moves whole int8 steps
-#: downstream and flips its many near-ties. llama.cpp itself, teacher-forced in one pass
-#: instead of the token-by-token decode that made gemma3.greedy.json, agrees with that
-#: reference at 347/356 = 97.5% (flash attention on: 97.2%), and its own flash-attention,
-#: f32-KV and one-token-at-a-time runs agree with gemma3.long-gpl3.json at 94.6-95.6%.
-#: 95% is that band; the margin check (misses only below 1.0) still catches real errors.
-MIN_TOP1_AGREEMENT = {"gemma-3-270m": 0.95}
-
-
-def min_top1_agreement(model_name: str) -> float:
-    return MIN_TOP1_AGREEMENT.get(model_name, 0.97)
+#: Teacher-forced top-1 agreement with llama.cpp every model and backend must reach.
+MIN_TOP1_AGREEMENT = 0.97
 
 
 def load_reference(model_name: str, kind: str = "greedy") -> dict:

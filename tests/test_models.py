@@ -2,8 +2,8 @@
 
 llama.cpp computes with 8-bit activations, so exact agreement is not expected: the bounds are
 those an exact f32 computation (HF transformers on the same files) meets — top-1 equal at
->= 97% of teacher-forced positions (Gemma 3: 95%, see reference_checks.MIN_TOP1_AGREEMENT),
-and at every position where the reference is sure (top-1 margin >= 1.0).
+>= 97% of teacher-forced positions, and at every position where the reference is sure (top-1
+margin >= 1.0).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 import edgellm
 from edgellm.backends import available_backends
 from tests.reference_checks import (
+    MIN_TOP1_AGREEMENT,
     greedy_continuations_matching,
     load_reference,
-    min_top1_agreement,
     teacher_forced_agreement,
 )
 
@@ -36,9 +36,11 @@ def loaded(name: str, backend: str):
 # (its top-1 after any first token is a digit, margin up to 3.4). "numpy-ggml" rounds
 # activations as llama.cpp does and meets the bounds; plain f32 meets them past position 0.
 F32_SKIP = {("numpy", "qwen2.5-coder-1.5b-instruct")}
-# Gemma 3, measured: numpy 347/356 = 97.5%, numpy-ggml 345/356 = 96.9%, cpu 345..349/356 (it
-# moves with each kernel change); llama.cpp's own one-pass run 347/356 (the reference was made
-# decoding token by token), every miss of each below margin 0.85.
+# Known shortfall (open): numpy-ggml, which follows ggml-cpu op by op (each op within ~1e-7 of
+# llama.cpp's own tensors), agrees on Gemma 3 at 345/356 = 96.9% (< 97%), misses < 0.85. Gemma
+# under 8-bit activations is chaotic: llama.cpp itself, teacher-forced in one pass instead of the
+# token-by-token decode that made the reference, agrees at 347/356. numpy gets 347, cpu 346.
+KNOWN_SHORT = {("numpy-ggml", "gemma-3-270m"): "numpy-ggml agrees at 96.9% on Gemma (< 97%)"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -51,8 +53,10 @@ def test_teacher_forced_top1_matches_llama_cpp(model_path, backend, name):
     agreement = teacher_forced_agreement(loaded(name, backend), load_reference(name))
     print(f"{name} [{backend}]: {agreement.matches}/{agreement.positions} "
           f"= {agreement.rate:.1%}, largest missed margin {agreement.max_missed_margin:.3f}")
-    assert agreement.rate >= min_top1_agreement(name)
     assert agreement.max_missed_margin < 1.0, agreement.misses
+    if agreement.rate < MIN_TOP1_AGREEMENT and (backend, name) in KNOWN_SHORT:
+        pytest.xfail(KNOWN_SHORT[(backend, name)])
+    assert agreement.rate >= MIN_TOP1_AGREEMENT
 
 
 # Free-running greedy continuations equal to llama.cpp's in full, out of 8. HF transformers
