@@ -920,3 +920,81 @@ void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
     }
     for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
+
+/* out = gelu(gate) * up with GELU's tanh form, tanh(y) = 1 - 2 / (e^(2y) + 1) (GeGLU). */
+void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n) {
+    const __m256 c = _mm256_set1_ps(0.7978845608f), k = _mm256_set1_ps(0.044715f);
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 y = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(k, g), _mm256_mul_ps(g, g), g));
+        __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp8(_mm256_add_ps(y, y)), one)));
+        __m256 r = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, th));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(r, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) {
+        const float g = gate[i];
+        out[i] = 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) * up[i];
+    }
+}
+
+/* 16 f16 values at p as f32 */
+static inline __m256 load_f16x8(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* Decode attention over an f16 KV cache: q (n, H, hd) f32; k, v (T, KVH, hd) f16 bits;
+ * mask (n, T) (nonzero: attend); out (n, H, hd). hd % 8 == 0. Scores, softmax and the
+ * weighted sum in f32. (Rounding q and the probabilities to f16 as llama.cpp's non-flash
+ * path does was tried: it moved no reference agreement up, Gemma's and Qwen's down.)
+ * Returns 0, or -1 without memory. */
+int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,
+                     int n, int n_heads, int n_kv, int hd, int T, float scale, float softcap,
+                     float *out) {
+    float *scores = malloc(sizeof(float) * (T > 0 ? T : 1));
+    float *acc = malloc(sizeof(float) * hd);
+    if (!scores || !acc) {
+        free(scores);
+        free(acc);
+        return -1;
+    }
+    const int group = n_heads / n_kv;
+    for (int t = 0; t < n; t++) {
+        const uint8_t *m = mask + (int64_t)t * T;
+        for (int h = 0; h < n_heads; h++) {
+            const float *qh = q + ((int64_t)t * n_heads + h) * hd;
+            const int kh = h / group;
+            float best = -INFINITY;
+            for (int j = 0; j < T; j++) {
+                if (!m[j]) continue;
+                const uint16_t *kj = k + ((int64_t)j * n_kv + kh) * hd;
+                __m256 s8 = _mm256_setzero_ps();
+                for (int i = 0; i < hd; i += 8)
+                    s8 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), load_f16x8(kj + i), s8);
+                float s = hsum8(s8) * scale;
+                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+                scores[j] = s;
+                if (s > best) best = s;
+            }
+            float total = 0.0f;
+            for (int i = 0; i < hd; i++) acc[i] = 0.0f;
+            for (int j = 0; j < T; j++) {
+                if (!m[j]) continue;
+                const float p = expf(scores[j] - best);
+                const __m256 pv = _mm256_set1_ps(p);
+                const uint16_t *vj = v + ((int64_t)j * n_kv + kh) * hd;
+                total += p;
+                for (int i = 0; i < hd; i += 8)
+                    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load_f16x8(vj + i),
+                                                              _mm256_loadu_ps(acc + i)));
+            }
+            float *o = out + ((int64_t)t * n_heads + h) * hd;
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+            for (int i = 0; i < hd; i++) o[i] = acc[i] * inv;
+        }
+    }
+    free(scores);
+    free(acc);
+    return 0;
+}

@@ -188,13 +188,22 @@ class CpuBackend(NumpyBackend):
     def silu_mul(self, gate, up):
         if self.native is None:
             return numba_ops.silu_mul(gate, up)
+        return self._elementwise("ek_silu_mul", gate, up)
+
+    def gelu_tanh_mul(self, gate, up):
+        if self.native is None:
+            return super().gelu_tanh_mul(gate, up)
+        return self._elementwise("ek_gelu_tanh_mul", gate, up)
+
+    def _elementwise(self, kernel: str, gate, up):
+        """out = f(gate) * up by a one-pass C kernel (no numpy temporaries)."""
         gate = np.ascontiguousarray(gate, dtype=np.float32)
         up = np.ascontiguousarray(up, dtype=np.float32)
         out = np.empty_like(gate)
         ffi = self.native.ffi
-        self.native.lib.ek_silu_mul(ffi.cast("float *", gate.ctypes.data),
-                                    ffi.cast("float *", up.ctypes.data),
-                                    ffi.cast("float *", out.ctypes.data), gate.size)
+        getattr(self.native.lib, kernel)(ffi.cast("float *", gate.ctypes.data),
+                                         ffi.cast("float *", up.ctypes.data),
+                                         ffi.cast("float *", out.ctypes.data), gate.size)
         return out
 
     def rope(self, x, positions, theta, neox, freq_factors=None, freq_scale=1.0):
@@ -205,7 +214,25 @@ class CpuBackend(NumpyBackend):
             return super().attention(q, k, v, mask, scale, softcap)
         if q.shape[0] > ATTENTION_KERNEL_MAX_TOKENS:
             return self._attention_blocked(q, k, v, mask, scale, softcap)
+        if self.native is not None and k.dtype == np.float16 and q.shape[-1] % 8 == 0:
+            return self._attention_f16(q, k, v, mask, scale, softcap)
         return numba_ops.attention(q, k, v, mask, scale, softcap, F16_TABLE)
+
+    def _attention_f16(self, q, k, v, mask, scale, softcap):
+        """Decode attention over the f16 cache in C (F16C loads, f32 arithmetic)."""
+        q = np.ascontiguousarray(q, dtype=np.float32)  # (n, H, hd)
+        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)  # (T, KVH, hd) f16
+        mask = np.ascontiguousarray(mask, dtype=np.uint8)  # (n, T)
+        out = np.empty_like(q)
+        ptr = self.native.ffi.cast
+        status = self.native.lib.ek_attention_f16(
+            ptr("float *", q.ctypes.data), ptr("uint16_t *", k.ctypes.data),
+            ptr("uint16_t *", v.ctypes.data), ptr("uint8_t *", mask.ctypes.data), q.shape[0],
+            q.shape[1], k.shape[1], q.shape[2], k.shape[0], float(scale), float(softcap),
+            ptr("float *", out.ctypes.data))
+        if status != 0:
+            raise MemoryError("no memory for attention scores")
+        return out
 
     def _attention_blocked(self, q, k, v, mask, scale, softcap):
         """Prefill attention as matrix products over blocks of queries, each against only the
