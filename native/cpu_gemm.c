@@ -231,3 +231,27 @@ int ek_gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int col
 int ek_has_gemm(void) { return 0; }
 
 #endif
+
+/* The whole quantized matmul in one call: x (n, cols) f32 is rounded to int8 as llama.cpp
+ * rounds activations (Q8_K per 256 when q8k, else Q8_0 per 32), then multiplied by the GEMM
+ * when n > gemm_min and it takes the type, else by the mat-vec kernels. out (n, rows).
+ * Returns 0, or -1 without memory. One call per matmul keeps decode's per-op cost down. */
+int ek_matmul_f32(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
+                  const float *x, int n, float *out, int nthreads, int q8k, int gemm_min) {
+    int8_t *xq = malloc((size_t)n * cols);
+    float *xd = malloc(sizeof(float) * n * (cols / 32));
+    int32_t *xs = malloc(sizeof(int32_t) * n * (cols / 16));
+    int status = -1;
+    if (xq && xd && xs) {
+        if (q8k) ek_quantize_rows_q8k(x, n, cols, xq, xd, xs);
+        else ek_quantize_rows(x, n, cols, xq, xd, xs);
+        status = n > gemm_min ? ek_gemm_mt(qtype, w, row_bytes, rows, cols, xq, xd, xs, n, out,
+                                           nthreads) : -2;
+        if (status == -2)
+            status = ek_matvec_mt(qtype, w, row_bytes, rows, cols, xq, xd, xs, n, out, nthreads);
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+    return status;
+}

@@ -33,6 +33,8 @@ int ek_gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int col
                const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
                int nthreads);
 int ek_has_gemm(void);
+int ek_matmul_f32(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
+                  const float *x, int n, float *out, int nthreads, int q8k, int gemm_min);
 void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n);
 void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n);
 int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,

@@ -134,25 +134,15 @@ class CpuBackend(NumpyBackend):
         if lib is None or w.cols % 32:
             matvec(w.code, w.data, x, out, F16_TABLE)
             return out
-        ffi, lib = lib.ffi, lib.lib
-        xq = np.empty((n, w.cols), dtype=np.int8)
-        xd = np.empty((n, w.cols // 32), dtype=np.float32)
-        xs = np.empty((n, w.cols // 16), dtype=np.int32)
-        ptr = ffi.cast
-        # activations rounded as llama.cpp rounds them: per 256 against K-quants (Q8_K)
-        quantize = (lib.ek_quantize_rows_q8k if w.qtype in K_QUANTS and w.cols % 256 == 0
-                    else lib.ek_quantize_rows)
-        quantize(ptr("float *", x.ctypes.data), n, w.cols, ptr("int8_t *", xq.ctypes.data),
-                 ptr("float *", xd.ctypes.data), ptr("int32_t *", xs.ctypes.data))
-        args = (int(w.qtype), ptr("uint8_t *", w.data.ctypes.data), w.data.strides[0], w.rows,
-                w.cols, ptr("int8_t *", xq.ctypes.data), ptr("float *", xd.ctypes.data),
-                ptr("int32_t *", xs.ctypes.data), n, ptr("float *", out.ctypes.data),
-                self.threads)
-        # a batch too big for the mat-vec registers (prefill) takes the register-tiled GEMM;
-        # -2: no GEMM in this build (AVX2 only) or for this type
-        status = lib.ek_gemm_mt(*args) if n > MATVEC_MAX_TOKENS else -2
-        if status == -2:
-            status = lib.ek_matvec_mt(*args)
+        ptr = lib.ffi.cast
+        # activations rounded as llama.cpp rounds them: per 256 against K-quants (Q8_K);
+        # a batch too big for the mat-vec registers (prefill) takes the GEMM where it has one
+        q8k = w.qtype in K_QUANTS and w.cols % 256 == 0
+        status = lib.lib.ek_matmul_f32(int(w.qtype), ptr("uint8_t *", w.data.ctypes.data),
+                                       w.data.strides[0], w.rows, w.cols,
+                                       ptr("float *", x.ctypes.data), n,
+                                       ptr("float *", out.ctypes.data), self.threads, int(q8k),
+                                       MATVEC_MAX_TOKENS)
         if status != 0:
             raise MemoryError(f"no memory for the int8 activations of {n} tokens x {w.cols}")
         return out
