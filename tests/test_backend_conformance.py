@@ -186,3 +186,19 @@ def test_matvec_batch_invariant(qtype):
         for k in range(2, 9):
             got = b.matmul(x[:k], w)
             assert np.array_equal(got.view(np.uint32), alone[:k].view(np.uint32)), (name, k)
+
+
+@pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
+def test_prefill_matmul_in_every_c_kernel_variant(qtype):
+    """A prefill-sized batch in each C build: the AVX-512 one takes the GEMM for the per-block
+    types, the AVX2 one (no GEMM) falls back to the mat-vec kernels."""
+    variants = _c_kernel_variants()
+    if not variants:
+        pytest.skip("no C kernels here")
+    tensor = random_tensor(qtype, 77, 512, seed=1)
+    x = np.random.default_rng(0).standard_normal((37, 512)).astype(np.float32)
+    w = dequantize(tensor.data, qtype).reshape(77, 512)
+    want = x @ w.T
+    for name, b in variants:
+        got = b.matmul(x, b.prepare(tensor))
+        assert np.all(np.abs(got - want) <= int8_activation_bound(w, x) + 1e-4 * np.abs(want)), name
