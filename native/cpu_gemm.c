@@ -196,12 +196,12 @@ static void gemm_rows(const void *ctx, int r0, int r1) {
     }
 }
 
-/* out (n, rows) = w (rows, cols) . x (n, cols)^T from Q8_0-style activations (as
- * ek_matvec_mt). Returns 0; -1 out of memory; -2 for a type this GEMM does not take
- * (K-quants, which run faster on the mat-vec kernels) or a build without AVX-512 VNNI. */
-int ek_gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
-               const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
-               int nthreads) {
+/* out (n, rows) = w (rows, cols) . x (n, cols)^T from Q8_0 activations (as matvec_mt).
+ * Returns 0; -1 out of memory; -2 for a type this GEMM does not take (K-quants, which run
+ * faster on the mat-vec kernels) or a build without AVX-512 VNNI. */
+static int gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
+                   const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
+                   int nthreads) {
     if (!(qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q5_1 ||
           qtype == T_Q8_0) || cols % 32)
         return -2;
@@ -216,39 +216,39 @@ int ek_gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int col
     return j.failed ? -1 : 0;
 }
 
-int ek_has_gemm(void) { return 1; }
+
 
 #else  /* AVX2 only: prefill stays on the mat-vec kernels */
 
-int ek_gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
-               const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
-               int nthreads) {
+static int gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
+                   const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
+                   int nthreads) {
     (void)qtype; (void)w; (void)row_bytes; (void)rows; (void)cols; (void)xq; (void)xd;
     (void)xs; (void)n; (void)out; (void)nthreads;
     return -2;
 }
 
-int ek_has_gemm(void) { return 0; }
-
 #endif
 
 /* The whole quantized matmul in one call: x (n, cols) f32 is rounded to int8 as llama.cpp
- * rounds activations (Q8_K per 256 when q8k, else Q8_0 per 32), then multiplied by the GEMM
- * when n > gemm_min and it takes the type, else by the mat-vec kernels. out (n, rows).
- * Returns 0, or -1 without memory. One call per matmul keeps decode's per-op cost down. */
+ * rounds activations (Q8_K per 256 against K-quants, else Q8_0 per 32), then multiplied by
+ * the GEMM when n > gemm_min and it takes the type, else by the mat-vec kernels. out (n, rows).
+ * Returns 0, -1 without memory, -2 for a type without C kernels. One call per matmul keeps
+ * decode's per-op cost down. */
 int ek_matmul_f32(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
-                  const float *x, int n, float *out, int nthreads, int q8k, int gemm_min) {
+                  const float *x, int n, float *out, int nthreads, int gemm_min) {
+    if (!ek_supports(qtype) || cols % 32) return -2;
     int8_t *xq = malloc((size_t)n * cols);
     float *xd = malloc(sizeof(float) * n * (cols / 32));
     int32_t *xs = malloc(sizeof(int32_t) * n * (cols / 16));
     int status = -1;
     if (xq && xd && xs) {
-        if (q8k) ek_quantize_rows_q8k(x, n, cols, xq, xd, xs);
-        else ek_quantize_rows(x, n, cols, xq, xd, xs);
-        status = n > gemm_min ? ek_gemm_mt(qtype, w, row_bytes, rows, cols, xq, xd, xs, n, out,
-                                           nthreads) : -2;
+        if (is_kquant(qtype)) quantize_rows_q8k(x, n, cols, xq, xd, xs);
+        else quantize_rows(x, n, cols, xq, xd, xs);
+        status = n > gemm_min ? gemm_mt(qtype, w, row_bytes, rows, cols, xq, xd, xs, n, out,
+                                        nthreads) : -2;
         if (status == -2)
-            status = ek_matvec_mt(qtype, w, row_bytes, rows, cols, xq, xd, xs, n, out, nthreads);
+            status = matvec_mt(qtype, w, row_bytes, rows, cols, xq, xd, xs, n, out, nthreads);
     }
     free(xq);
     free(xd);

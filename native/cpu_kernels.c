@@ -67,17 +67,6 @@ static inline __m256i nibbles16(const uint8_t *p) {
 
 static inline __m256i loadx(const int8_t *x) { return _mm256_loadu_si256((const __m256i *)x); }
 
-/* K-quant 6-bit scales and mins of sub-block j (0..7) from the 12 packed bytes. */
-static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *mn) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *mn = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 /* All 8 scales and mins of a Q4_K/Q5_K superblock at once, on 32-bit words (a, b, c are
  * bytes 0-3, 4-7, 8-11): sub-blocks 0-3 keep their low 6 bits in a (scales) and b (mins);
  * 4-7 take 4 bits from c and their top 2 bits from bits 6-7 of a and b. */
@@ -272,101 +261,6 @@ DOT_OFFSET_TYPE(dot_q5_0_n, 22, 1)
 DOT_MIN_TYPE(dot_q4_1_n, 20, 0)
 DOT_MIN_TYPE(dot_q5_1_n, 24, 1)
 
-/* Q4_K / Q5_K superblock: d, dmin (f16), 12 bytes of 6-bit scales/mins, [qh 32], qs 128. */
-FORCE void dot_qk_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                    int nb, int cols, const int n, float *out, int64_t ldo, const int five) {
-    const int bytes = five ? 176 : 144, nsb = nb / 8;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[MAXN];
-    float off[MAXN];
-    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
-    for (int sb = 0; sb < nsb; sb++, w += bytes) {
-        PREFETCH(w, bytes);
-        const float d = f16(w), dmin = f16(w + 2);
-        const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
-        __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i lo = _mm256_and_si256(raw, low4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-            if (five) {  /* bit 2j of qh[l] -> element l, bit 2j+1 -> element 32 + l */
-                __m256i h = _mm256_srli_epi16(hbits, 2 * j);
-                __m256i one = _mm256_set1_epi8(1);
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
-                hi = _mm256_or_si256(
-                    hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
-            }
-            for (int half = 0; half < 2; half++) {
-                const int sub = 2 * j + half, b = sb * 8 + sub;
-                uint8_t sc, mn;
-                scale_min_k4(sub, w + 4, &sc, &mn);
-                /* d * sc * xd == (d * sc) * xd: the same float operations as one token's dot */
-                const float dsc = d * sc, dmn = dmin * mn;
-                const __m256i q = half ? hi : lo;
-                for (int t = 0; t < n; t++) {
-                            __m256i p = dot32(q, loadx(xq + 32 * ((int64_t)b * n + t)));
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dsc * xd[b * n + t]),
-                                             acc[t]);
-                    off[t] += dmn * xd[b * n + t] * (float)(xs[2 * (b * n + t)] + xs[2 * (b * n + t) + 1]);
-                }
-            }
-        }
-    }
-    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) - off[t];
-}
-
-FORCE void dot_q4_k_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb, int cols, const int n, float *out, int64_t ldo) {
-    dot_qk_n(w, xq, xd, xs, nb, cols, n, out, ldo, 0);
-}
-
-FORCE void dot_q5_k_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb, int cols, const int n, float *out, int64_t ldo) {
-    dot_qk_n(w, xq, xd, xs, nb, cols, n, out, ldo, 1);
-}
-
-/* Q6_K superblock (210 bytes): ql[128], qh[64], int8 scales[16] (per 16), d (f16). */
-FORCE void dot_q6_k_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int nb, int cols, const int n, float *out, int64_t ldo) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[MAXN];
-    float off[MAXN];
-    for (int t = 0; t < n; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
-    for (int sb = 0; sb < nb / 8; sb++, w += 210) {
-        PREFETCH(w, 210);
-        const float d = f16(w + 208);
-        const int8_t *scales = (const int8_t *)(w + 192);
-        for (int h = 0; h < 2; h++) {
-            __m256i qa = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
-            __m256i qb = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
-            __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(qa, low4),
-                                   _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(3)), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(qb, low4),
-                                   _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4),
-                                   _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
-                                   _mm256_and_si256(_mm256_srli_epi16(hb, 2),
-                                                    _mm256_set1_epi8(0x30)));
-            for (int k = 0; k < 4; k++) {
-                const int b = sb * 8 + 4 * h + k;
-                /* d * sc * xd == (d * sc) * xd: the same float operations as one token's dot */
-                const float d0 = d * scales[8 * h + 2 * k], d1 = d * scales[8 * h + 2 * k + 1];
-                for (int t = 0; t < n; t++) {
-                            const float s0 = d0 * xd[b * n + t], s1 = d1 * xd[b * n + t];
-                    __m256i p = dot32(q[k], loadx(xq + 32 * ((int64_t)b * n + t)));
-                    __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc[t]);
-                    off[t] += 32.0f * (s0 * (float)xs[2 * (b * n + t)] + s1 * (float)xs[2 * (b * n + t) + 1]);
-                }
-            }
-        }
-    }
-    for (int t = 0; t < n; t++) out[(int64_t)t * ldo] = hsum8(acc[t]) - off[t];
-}
-
 /* dot_<type>(row, ..., n, out, ldo) for a runtime n in 1..MAXN: one inlined body per n. */
 typedef void (*dot_fn)(const uint8_t *, const int8_t *, const float *, const int32_t *, int, int,
                        int, float *, int64_t);
@@ -391,9 +285,6 @@ DISPATCH(dot_q4_0)
 DISPATCH(dot_q4_1)
 DISPATCH(dot_q5_0)
 DISPATCH(dot_q5_1)
-DISPATCH(dot_q4_k)
-DISPATCH(dot_q5_k)
-DISPATCH(dot_q6_k)
 
 static dot_fn dot_for(int qtype) {
     switch (qtype) {
@@ -402,10 +293,7 @@ static dot_fn dot_for(int qtype) {
     case T_Q4_1: return dot_q4_1;
     case T_Q5_0: return dot_q5_0;
     case T_Q5_1: return dot_q5_1;
-    case T_Q4_K: return dot_q4_k;
-    case T_Q5_K: return dot_q5_k;
-    case T_Q6_K: return dot_q6_k;
-    default: return 0;
+    default: return 0;  /* K-quants: dotk_for */
     }
 }
 
@@ -413,9 +301,9 @@ static dot_fn dot_for(int qtype) {
  * As llama.cpp: the 8 sub-blocks' products are scaled and summed in int32 (maddubs then madd
  * by the 6/8-bit scales), the minimums (Q4_K/Q5_K) or the -32 offset (Q6_K) come from the
  * 16-element sums xs16 (int16, (nsb, n, 16) interleaved), and only then is the superblock
- * scaled in float: two float ops per token per superblock instead of per 32. Used when every
- * token's 8 sub-block scales of a superblock are equal (ek_quantize_rows_q8k); exact integer
- * sums, so each token's result is still independent of the batch. */
+ * scaled in float: two float ops per token per superblock instead of per 32. K-quant weights
+ * always meet Q8_K activations (quantize_rows_q8k); exact integer sums, so each token's
+ * result is still independent of the batch. */
 
 static inline __m256i madd_acc(__m256i acc, __m256i p16, __m256i s16) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -572,10 +460,13 @@ static dotk_fn dotk_for(int qtype) {
 
 /* ---- public entry points ----------------------------------------------------------------- */
 
-int ek_supports(int qtype) { return dot_for(qtype) != 0; }
+/* K-quants take Q8_K activations and the integer superblock dots; the rest Q8_0 and dot_for. */
+static int is_kquant(int qtype) { return dotk_for(qtype) != 0; }
+
+int ek_supports(int qtype) { return dot_for(qtype) != 0 || is_kquant(qtype); }
 
 /* x (n, cols) f32 -> xq (n, cols) int8, xd (n, cols/32), xs (n, cols/16). cols % 32 == 0. */
-void ek_quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs) {
+static void quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs) {
     for (int t = 0; t < n; t++) {
         for (int b = 0; b < cols / 32; b++) {
             const float *v = x + (int64_t)t * cols + 32 * b;
@@ -600,11 +491,11 @@ void ek_quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd, in
     }
 }
 
-/* As ek_quantize_rows, but with one scale per 256 values as ggml's Q8_K (used against K-quant
+/* As quantize_rows, but with one scale per 256 values as ggml's Q8_K (used against K-quant
  * weights): the scale comes from the signed value of largest magnitude, q = min(127,
  * round(-127/peak * x)), and the 8 sub-blocks of 32 share it. Matching llama.cpp's rounding
  * matters where one activation dwarfs the rest (Qwen2.5-1.5B's first token). */
-void ek_quantize_rows_q8k(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs) {
+static void quantize_rows_q8k(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs) {
     for (int t = 0; t < n; t++) {
         for (int b = 0; b < cols / 256; b++) {
             const float *v = x + (int64_t)t * cols + 256 * b;
@@ -634,13 +525,11 @@ void ek_quantize_rows_q8k(const float *x, int n, int cols, int8_t *xq, float *xd
 }
 
 /* Tokens t0 .. t0 + m - 1 of xq (n, cols), xd (n, nb), xs (n, 2 nb) into the interleaved
- * layout of the dot functions: xqi (nb, m, 32), xdi (nb, m), xsi (nb, m, 2), and xs16i
- * (nb / 8, m, 16) int16 for the integer K-quant path. Returns whether that path applies:
- * cols % 256 == 0 and each token's scale is the same over each 256 (Q8_K activations). */
-static int interleave(const int8_t *xq, const float *xd, const int32_t *xs, int cols, int t0,
-                      int m, int8_t *xqi, float *xdi, int32_t *xsi, int16_t *xs16i) {
+ * layout of the dot functions: xqi (nb, m, 32), xdi (nb, m), xsi (nb, m, 2), and, for the
+ * integer K-quant path (kq: Q8_K activations), xs16i (nb / 8, m, 16) int16. */
+static void interleave(const int8_t *xq, const float *xd, const int32_t *xs, int cols, int t0,
+                       int m, int kq, int8_t *xqi, float *xdi, int32_t *xsi, int16_t *xs16i) {
     const int nb = cols / 32;
-    int q8k = cols % 256 == 0;
     for (int t = 0; t < m; t++) {
         const int8_t *q = xq + (int64_t)(t0 + t) * cols;
         const float *d = xd + (int64_t)(t0 + t) * nb;
@@ -650,18 +539,16 @@ static int interleave(const int8_t *xq, const float *xd, const int32_t *xs, int 
             xdi[(int64_t)b * m + t] = d[b];
             xsi[2 * ((int64_t)b * m + t)] = s[2 * b];
             xsi[2 * ((int64_t)b * m + t) + 1] = s[2 * b + 1];
-            if (d[b] != d[b & ~7]) q8k = 0;
         }
-        if (q8k)
+        if (kq)
             for (int sb = 0; sb < nb / 8; sb++)
                 for (int i = 0; i < 16; i++)
                     xs16i[16 * ((int64_t)sb * m + t) + i] = (int16_t)s[16 * sb + i];
     }
-    return q8k;
 }
 
 /* rows [r0, r1) against m <= MAXN interleaved tokens; out[t * ldo + r]. kdot (the integer
- * K-quant dot) where it applies, else dot. */
+ * K-quant dot) for K-quants, else dot. */
 static void matvec_il(dot_fn dot, dotk_fn kdot, const uint8_t *w, int64_t row_bytes, int r0,
                       int r1, int cols, const int8_t *xqi, const float *xdi, const int32_t *xsi,
                       const int16_t *xs16i, int m, float *out, int64_t ldo) {
@@ -678,7 +565,7 @@ static void matvec_il(dot_fn dot, dotk_fn kdot, const uint8_t *w, int64_t row_by
 /* n tokens interleaved group by group, MAXN tokens to a group (the last may be short): the
  * buffers of group g start at g * MAXN tokens' worth of each array. */
 typedef struct {
-    int n, cols, ngroups, q8k;
+    int n, cols, ngroups;
     int8_t *xqi;
     float *xdi;
     int32_t *xsi;
@@ -686,12 +573,11 @@ typedef struct {
 } groups_t;
 
 static int groups_init(groups_t *g, const int8_t *xq, const float *xd, const int32_t *xs, int n,
-                       int cols) {
+                       int cols, int kq) {
     const int nb = cols / 32;
     g->n = n;
     g->cols = cols;
     g->ngroups = (n + MAXN - 1) / MAXN;
-    g->q8k = 1;
     g->xqi = malloc((size_t)n * cols);
     g->xdi = malloc(sizeof(float) * n * nb);
     g->xsi = malloc(sizeof(int32_t) * n * 2 * nb);
@@ -699,9 +585,9 @@ static int groups_init(groups_t *g, const int8_t *xq, const float *xd, const int
     if (!g->xqi || !g->xdi || !g->xsi || !g->xs16i) return 0;
     for (int t0 = 0; t0 < n; t0 += MAXN) {
         const int m = n - t0 < MAXN ? n - t0 : MAXN;
-        g->q8k &= interleave(xq, xd, xs, cols, t0, m, g->xqi + (int64_t)t0 * cols,
-                             g->xdi + (int64_t)t0 * nb, g->xsi + (int64_t)t0 * 2 * nb,
-                             g->xs16i + (int64_t)t0 * 2 * nb);
+        interleave(xq, xd, xs, cols, t0, m, kq, g->xqi + (int64_t)t0 * cols,
+                   g->xdi + (int64_t)t0 * nb, g->xsi + (int64_t)t0 * 2 * nb,
+                   g->xs16i + (int64_t)t0 * 2 * nb);
     }
     return 1;
 }
@@ -726,23 +612,6 @@ static void matvec_groups(dot_fn dot, dotk_fn kdot, const uint8_t *w, int64_t ro
                   g->xdi + t0 * nb, g->xsi + t0 * 2 * nb, g->xs16i + t0 * 2 * nb, m,
                   out + t0 * ldo, ldo);
     }
-}
-
-/* out[t, r] = dot(w[r], x[t]) for rows r in [r0, r1) and n tokens; out row stride ldo.
- * Tokens go MAXN at a time: each row's blocks are unpacked once per group of tokens. */
-int ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
-              const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
-              int64_t ldo) {
-    groups_t g;
-    int ok = groups_init(&g, xq, xd, xs, n, cols);
-    if (ok) {
-        dotk_fn kdot = g.q8k ? dotk_for(qtype) : 0;
-        for (int r = r0; r < r1; r += CHUNK_ROWS)
-            matvec_groups(dot_for(qtype), kdot, w, row_bytes, r,
-                          r + CHUNK_ROWS < r1 ? r + CHUNK_ROWS : r1, &g, out, ldo);
-    }
-    groups_free(&g);
-    return ok ? 0 : -1;
 }
 
 /* ---- a small thread pool without barriers -------------------------------------------------
@@ -868,17 +737,19 @@ static void matvec_rows(const void *ctx, int r0, int r1) {
     matvec_groups(j->dot, j->kdot, j->w, j->row_bytes, r0, r1, j->groups, j->out, j->ldo);
 }
 
-/* ek_matvec over all rows with nthreads threads (the caller and nthreads - 1 helpers).
- * Returns 0, or -1 when the activation buffers cannot be allocated. */
-int ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
-                 const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
-                 int nthreads) {
+/* out (n, rows) = w (rows, cols) . x^T from quantized activations (Q8_K for K-quants, else
+ * Q8_0), on the caller and nthreads - 1 helpers; each row's blocks are unpacked once per
+ * group of MAXN tokens. Returns 0, or -1 when the activation buffers cannot be allocated. */
+static int matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
+                     const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
+                     int nthreads) {
+    const int kq = is_kquant(qtype);
     groups_t g;
-    if (!groups_init(&g, xq, xd, xs, n, cols)) {
+    if (!groups_init(&g, xq, xd, xs, n, cols, kq)) {
         groups_free(&g);
         return -1;
     }
-    matvec_job_t j = {dot_for(qtype), g.q8k ? dotk_for(qtype) : 0, w, row_bytes, &g, out, rows};
+    matvec_job_t j = {dot_for(qtype), dotk_for(qtype), w, row_bytes, &g, out, rows};
     parallel_rows(matvec_rows, &j, rows, nthreads);
     groups_free(&g);
     return 0;

@@ -1,4 +1,4 @@
-"""Loader for the optional C kernels (cpu_kernels.c), built with cffi on first use.
+"""Loader for the optional C kernels (cpu_kernels.c + cpu_gemm.c), built with cffi on first use.
 
 The build picks the best instruction set this CPU has (AVX-512 VNNI, else AVX2; never AMX),
 compiles once into a cache folder keyed by the source's hash and the flags, and loads the
@@ -21,20 +21,8 @@ SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("
 
 CDEF = """
 int ek_supports(int qtype);
-void ek_quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs);
-void ek_quantize_rows_q8k(const float *x, int n, int cols, int8_t *xq, float *xd, int32_t *xs);
-int ek_matvec(int qtype, const uint8_t *w, int64_t row_bytes, int r0, int r1, int cols,
-              const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
-              int64_t ldo);
-int ek_matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
-                 const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
-                 int nthreads);
-int ek_gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
-               const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,
-               int nthreads);
-int ek_has_gemm(void);
 int ek_matmul_f32(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
-                  const float *x, int n, float *out, int nthreads, int q8k, int gemm_min);
+                  const float *x, int n, float *out, int nthreads, int gemm_min);
 void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n);
 void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n);
 int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,

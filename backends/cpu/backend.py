@@ -23,7 +23,7 @@ from edgellm.converters.gguf_reader import QTensor
 from edgellm.native import cpu_kernels
 from edgellm.quants import Q
 
-from ..numpy_backend import K_QUANTS, NumpyBackend, round_activations_like_ggml
+from ..numpy_backend import NumpyBackend, round_activations_like_ggml
 from . import numba_ops
 from .blas_threads import blas_threads
 from .numba_quant import CODES, F16_TABLE, dequant_rows, dequant_rows_serial, matvec
@@ -135,13 +135,12 @@ class CpuBackend(NumpyBackend):
             matvec(w.code, w.data, x, out, F16_TABLE)
             return out
         ptr = lib.ffi.cast
-        # activations rounded as llama.cpp rounds them: per 256 against K-quants (Q8_K);
+        # activations rounded in C as llama.cpp rounds them (Q8_K per 256 against K-quants);
         # a batch too big for the mat-vec registers (prefill) takes the GEMM where it has one
-        q8k = w.qtype in K_QUANTS and w.cols % 256 == 0
         status = lib.lib.ek_matmul_f32(int(w.qtype), ptr("uint8_t *", w.data.ctypes.data),
                                        w.data.strides[0], w.rows, w.cols,
                                        ptr("float *", x.ctypes.data), n,
-                                       ptr("float *", out.ctypes.data), self.threads, int(q8k),
+                                       ptr("float *", out.ctypes.data), self.threads,
                                        MATVEC_MAX_TOKENS)
         if status != 0:
             raise MemoryError(f"no memory for the int8 activations of {n} tokens x {w.cols}")
