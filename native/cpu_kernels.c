@@ -102,10 +102,16 @@ static inline void scales_mins_k4(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]
 /* Weight rows are streamed once per token; this VM's hardware prefetchers alone leave a core
  * at ~7 GB/s on them, so each step asks for the bytes PREFETCH_AHEAD further on (measured on
  * a 150k-row Q8_0 matrix, one thread: 7 GB/s without, 10 GB/s at 2 KB ahead). */
+#ifndef PREFETCH_AHEAD  /* -DPREFETCH_AHEAD=0 turns it off (benchmarks/native_matvec.c) */
 #define PREFETCH_AHEAD 2048
+#endif
+#if PREFETCH_AHEAD > 0
 #define PREFETCH(p, bytes)                                                                    \
     for (int pf_ = 0; pf_ < (bytes); pf_ += 64)                                               \
         _mm_prefetch((const char *)(p) + PREFETCH_AHEAD + pf_, _MM_HINT_T0)
+#else
+#define PREFETCH(p, bytes) ((void)0)
+#endif
 
 /* The per-block float accumulation is a chain of dependent FMAs (4 cycles each): even and odd
  * blocks go to two accumulators so that one token's decode is not bound by that latency. The
