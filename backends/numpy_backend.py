@@ -304,12 +304,13 @@ class NumpyBackend(Backend):
         # (KVH, group, n, hd) x (KVH, hd, T) -> (KVH, group, n, T)
         qg = q.reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)
         kt = np.asarray(k, dtype=np.float32).transpose(1, 2, 0)
-        scores = (qg @ kt[:, None]) * scale
+        scores = qg @ kt[:, None]
+        scores *= scale
         if softcap:
             scores = np.tanh(scores / softcap) * softcap
-        scores = np.where(mask[None, None], scores, -np.inf)
+        scores[:, :, ~mask] = -np.inf  # in place: prefill calls this per block of queries
         scores -= scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores)
+        probs = np.exp(scores, out=scores)
         probs /= probs.sum(axis=-1, keepdims=True)
         vt = np.asarray(v, dtype=np.float32).transpose(1, 0, 2)  # (KVH, T, hd)
         out = probs @ vt[:, None]  # (KVH, group, n, hd)

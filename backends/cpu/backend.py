@@ -224,34 +224,18 @@ class CpuBackend(NumpyBackend):
         return out
 
     def _attention_blocked(self, q, k, v, mask, scale, softcap):
-        """Prefill attention as matrix products over blocks of queries, each against only the
-        span of keys its mask reaches: a causal mask halves the work, a window cuts it to the
-        window. q (n, H, hd); k, v (T, KVH, hd); mask (n, T) -> (n, H, hd)."""
-        n, n_heads, hd = q.shape
-        n_kv = k.shape[1]
-        group = n_heads // n_kv
-        kt = np.ascontiguousarray(np.asarray(k, np.float32).transpose(1, 2, 0))  # (KVH, hd, T)
-        vt = np.ascontiguousarray(np.asarray(v, np.float32).transpose(1, 0, 2))  # (KVH, T, hd)
-        out = np.zeros((n, n_heads, hd), dtype=np.float32)
-        reached = mask.any(axis=1)
-        for q0 in range(0, n, ATTENTION_QUERY_BLOCK):
-            q1 = min(n, q0 + ATTENTION_QUERY_BLOCK)
-            keys = np.flatnonzero(mask[q0:q1].any(axis=0))
+        """Prefill attention: the reference's matrix products over blocks of queries, each
+        against only the span of keys its mask reaches (a causal mask halves the work, a
+        window cuts it to the window). q (n, H, hd); k, v (T, KVH, hd); mask (n, T)."""
+        out = np.zeros(q.shape, dtype=np.float32)  # (n, H, hd)
+        k, v = np.asarray(k, np.float32), np.asarray(v, np.float32)  # once, not per block
+        for q0 in range(0, q.shape[0], ATTENTION_QUERY_BLOCK):
+            rows = slice(q0, q0 + ATTENTION_QUERY_BLOCK)
+            keys = np.flatnonzero(mask[rows].any(axis=0))
             if len(keys) == 0:
                 continue  # fully masked rows attend to nothing (their output stays zero)
-            j0, j1 = keys[0], keys[-1] + 1
-            m = mask[q0:q1, j0:j1]  # (nb, span)
-            # (KVH, g, nb, hd)
-            qb = q[q0:q1].reshape(q1 - q0, n_kv, group, hd).transpose(1, 2, 0, 3)
-            scores = qb @ kt[:, None, :, j0:j1]  # (KVH, g, nb, span)
-            scores *= scale
-            if softcap:
-                scores = np.tanh(scores / softcap) * softcap
-            scores[:, :, ~m] = -np.inf
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
-            block = scores @ vt[:, None, j0:j1]  # (KVH, g, nb, hd)
-            out[q0:q1] = block.transpose(2, 0, 1, 3).reshape(q1 - q0, n_heads, hd)
-        out[~reached] = 0.0
+            span = slice(keys[0], keys[-1] + 1)
+            out[rows] = super().attention(q[rows], k[span], v[span], mask[rows, span], scale,
+                                          softcap)
+        out[~mask.any(axis=1)] = 0.0  # a fully masked row inside a block (NaN there)
         return out
