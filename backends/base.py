@@ -64,6 +64,12 @@ class Backend(ABC):
     def matmul(self, x: Array, weight: Any, bias: Array | None = None) -> Array:
         """x (n, in) @ weight.T (in, out) [+ bias] -> (n, out)."""
 
+    def matmuls(self, x: Array, weights: tuple, biases: tuple | None = None) -> list[Array]:
+        """``[matmul(x, w, b) for w, b in zip(weights, biases)]``: several projections of the
+        same input (Q/K/V, gate/up), which a backend may run as one job."""
+        biases = biases or (None,) * len(weights)
+        return [self.matmul(x, w, b) for w, b in zip(weights, biases, strict=True)]
+
     @abstractmethod
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
         """RMS-normalise the last axis, then scale by weight (last-axis sized)."""

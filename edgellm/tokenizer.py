@@ -18,6 +18,7 @@ tokens only when ``parse_special`` is set, longest token text first.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Iterable, Sequence
 from enum import IntEnum
 from typing import Any
@@ -520,7 +521,9 @@ def _build_engine(
     n = len(tokens)
     if model == "llama":
         raw_scores = metadata.get("tokenizer.ggml.scores")
-        scores = [0.0] * n if raw_scores is None else [float(s) for s in raw_scores]
+        # a flat array of doubles: 8 bytes a score, not a 32-byte float object (262k in Gemma)
+        scores = array("d", bytes(8 * n) if raw_scores is None else
+                       (float(s) for s in raw_scores))
         if len(scores) < n:
             raise ValueError("tokenizer.ggml.scores is shorter than tokenizer.ggml.tokens")
         unk_id = _opt_id(metadata, "tokenizer.ggml.unknown_token_id", n)

@@ -761,6 +761,83 @@ static int matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, i
     return 0;
 }
 
+/* ---- several mat-vecs over the same input in one parallel job ------------------------------
+ * Decode multiplies one activation row by Q, K and V (or gate and up) in turn. Done as one job,
+ * the activations are rounded once per family (Q8_K for K-quants, Q8_0 for the rest), the
+ * helpers are woken once, and the small K/V matrices share the chunks with Q instead of being
+ * split alone across threads. Each matrix's rows keep their own chunks, so every row runs the
+ * same kernel as in a single mat-vec and the results are bit-identical to it. */
+
+#define MULTI_MAX 8
+
+typedef struct {
+    int count;
+    int first_chunk[MULTI_MAX + 1];  /* matrix i owns chunks [first_chunk[i], first_chunk[i+1]) */
+    int rows[MULTI_MAX];
+    matvec_job_t jobs[MULTI_MAX];
+} multi_job_t;
+
+static void multi_rows(const void *ctx, int r0, int r1) {
+    (void)r1;
+    const multi_job_t *m = ctx;
+    const int c = r0 / CHUNK_ROWS;
+    int i = 0;
+    while (c >= m->first_chunk[i + 1]) i++;
+    const int lr0 = (c - m->first_chunk[i]) * CHUNK_ROWS;
+    const int lr1 = lr0 + CHUNK_ROWS < m->rows[i] ? lr0 + CHUNK_ROWS : m->rows[i];
+    matvec_rows(&m->jobs[i], lr0, lr1);
+}
+
+/* outs of `count` matrices (all `cols` wide) for the same x (n, cols) f32, n <= MAXN; matrix
+ * i's (n, rows[i]) result is stored at out + n * (rows[0] + ... + rows[i-1]). Returns 0, -1
+ * without memory, -2 for a type without C kernels, n > MAXN or count > MULTI_MAX. */
+int ek_matvec_multi(int count, const int *qtypes, const uint8_t *const *ws,
+                    const int64_t *row_bytes, const int *rows, int cols, const float *x, int n,
+                    float *out, int nthreads) {
+    if (count < 1 || count > MULTI_MAX || n < 1 || n > MAXN || cols % 32) return -2;
+    int need[2] = {0, 0};  /* activation families used: [0] Q8_0, [1] Q8_K */
+    for (int i = 0; i < count; i++) {
+        if (!ek_supports(qtypes[i]) || (is_kquant(qtypes[i]) && cols % 256)) return -2;
+        need[is_kquant(qtypes[i])] = 1;
+    }
+    int8_t *xq = malloc((size_t)n * cols);
+    float *xd = malloc(sizeof(float) * n * (cols / 32));
+    int32_t *xs = malloc(sizeof(int32_t) * n * (cols / 16));
+    groups_t g[2];
+    int ready[2] = {0, 0}, status = -1;
+    memset(g, 0, sizeof g);
+    if (xq && xd && xs) {
+        status = 0;
+        for (int kq = 0; kq < 2 && status == 0; kq++) {
+            if (!need[kq]) continue;
+            if (kq) quantize_rows_q8k(x, n, cols, xq, xd, xs);
+            else quantize_rows(x, n, cols, xq, xd, xs);
+            ready[kq] = groups_init(&g[kq], xq, xd, xs, n, cols, kq);
+            if (!ready[kq]) status = -1;
+        }
+    }
+    if (status == 0) {
+        multi_job_t m = {.count = count};
+        int64_t offset = 0;
+        for (int i = 0; i < count; i++) {
+            const int kq = is_kquant(qtypes[i]);
+            m.rows[i] = rows[i];
+            m.first_chunk[i + 1] = m.first_chunk[i] + (rows[i] + CHUNK_ROWS - 1) / CHUNK_ROWS;
+            matvec_job_t j = {dot_for(qtypes[i]), dotk_for(qtypes[i]), ws[i], row_bytes[i],
+                              &g[kq], out + offset, rows[i]};
+            m.jobs[i] = j;
+            offset += (int64_t)n * rows[i];
+        }
+        parallel_rows(multi_rows, &m, m.first_chunk[count] * CHUNK_ROWS, nthreads);
+    }
+    for (int kq = 0; kq < 2; kq++)
+        if (need[kq]) groups_free(&g[kq]);
+    free(xq);
+    free(xd);
+    free(xs);
+    return status;
+}
+
 /* ---- elementwise ----------------------------------------------------------------------- */
 
 /* e^x for 8 lanes: x = k ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 Taylor polynomial
@@ -813,6 +890,62 @@ void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n)
     for (; i < n; i++) {
         const float g = gate[i];
         out[i] = 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) * up[i];
+    }
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * w, row by row: x, out (rows, d) f32, w (d,). */
+void ek_rms_norm(const float *x, const float *w, float *out, int64_t rows, int d, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        float *o = out + r * d;
+        __m256 s8 = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= d; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            s8 = _mm256_fmadd_ps(v, v, s8);
+        }
+        float ss = hsum8(s8);
+        for (; i < d; i++) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (i = 0; i + 8 <= d; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), iv),
+                                                  _mm256_loadu_ps(w + i)));
+        for (; i < d; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* Rotary embedding: x, out (n, heads, hd); cos, sin (n, hd/2) per position. neox turns the
+ * pairs (i, i + hd/2) (ggml NEOX), otherwise adjacent pairs (2i, 2i + 1) (ggml NORM). */
+void ek_rope(const float *x, const float *cos, const float *sin, float *out, int n, int heads,
+             int hd, int neox) {
+    const int half = hd / 2;
+    for (int t = 0; t < n; t++) {
+        const float *c = cos + (int64_t)t * half, *s = sin + (int64_t)t * half;
+        for (int h = 0; h < heads; h++) {
+            const float *xh = x + ((int64_t)t * heads + h) * hd;
+            float *o = out + ((int64_t)t * heads + h) * hd;
+            if (neox) {
+                int i = 0;
+                for (; i + 8 <= half; i += 8) {
+                    const __m256 a = _mm256_loadu_ps(xh + i), b = _mm256_loadu_ps(xh + i + half);
+                    const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+                    _mm256_storeu_ps(o + i, _mm256_fmsub_ps(a, cv, _mm256_mul_ps(b, sv)));
+                    _mm256_storeu_ps(o + i + half, _mm256_fmadd_ps(a, sv, _mm256_mul_ps(b, cv)));
+                }
+                for (; i < half; i++) {
+                    const float a = xh[i], b = xh[i + half];
+                    o[i] = a * c[i] - b * s[i];
+                    o[i + half] = a * s[i] + b * c[i];
+                }
+            } else {
+                for (int i = 0; i < half; i++) {
+                    const float a = xh[2 * i], b = xh[2 * i + 1];
+                    o[2 * i] = a * c[i] - b * s[i];
+                    o[2 * i + 1] = a * s[i] + b * c[i];
+                }
+            }
+        }
     }
 }
 

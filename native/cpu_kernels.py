@@ -23,6 +23,12 @@ CDEF = """
 int ek_supports(int qtype);
 int ek_matmul_f32(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
                   const float *x, int n, float *out, int nthreads, int gemm_min);
+int ek_matvec_multi(int count, const int *qtypes, const uint8_t *const *ws,
+                    const int64_t *row_bytes, const int *rows, int cols, const float *x, int n,
+                    float *out, int nthreads);
+void ek_rms_norm(const float *x, const float *w, float *out, int64_t rows, int d, float eps);
+void ek_rope(const float *x, const float *cos, const float *sin, float *out, int n, int heads,
+             int hd, int neox);
 void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n);
 void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n);
 int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,

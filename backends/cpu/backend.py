@@ -1,10 +1,11 @@
 """The fast CPU backend: quantized weights used in place, never expanded to f32.
 
-Decode (a few tokens): activations are quantized to int8 per 32 and dotted with the weight
-blocks by the C kernels (AVX-512 VNNI / AVX2, native/cpu_kernels.c), or by Numba kernels that
-decode one weight row at a time where there is no C compiler or no x86. Prefill (many tokens):
-weights are decoded a tile of rows at a time into an f32 buffer and multiplied with BLAS, so
-the work is compute-bound matrix-matrix and the f32 tile stays small.
+With the C kernels (AVX-512 VNNI / AVX2, native/): activations are rounded to int8 as
+llama.cpp rounds them and dotted with the weight blocks, by mat-vec kernels in decode and an
+int8 GEMM in prefill; norms, RoPE, activations and decode attention are C too, and Numba is
+never imported (it costs ~65 MB of resident memory and half a second of start-up). Without
+them (no compiler, not x86) the Numba kernels decode one weight row at a time in decode, and
+prefill decodes tiles of rows to f32 for BLAS.
 
 Weights keep the GGUF file's own blocks (zero copy over its mmap), so a tied embedding serves
 both lookup and output from the same bytes and resident memory stays near the file size.
@@ -16,17 +17,14 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from edgellm.converters.gguf_reader import QTensor
 from edgellm.native import cpu_kernels
-from edgellm.quants import Q
+from edgellm.quants import Q, dequantize
 
 from ..numpy_backend import NumpyBackend, round_activations_like_ggml
-from . import numba_ops
 from .blas_threads import blas_threads
-from .numba_quant import CODES, F16_TABLE, dequant_rows, dequant_rows_serial, matvec
 
 #: up to this many tokens the Numba path runs its mat-vec kernels; above, tiles + BLAS. The C
 #: kernels take every batch: rows outer, tokens inner, each weight block read once.
@@ -39,6 +37,17 @@ ATTENTION_QUERY_BLOCK = 128
 TILE_BYTES = 16 << 20
 
 
+#: the block types kept in their file encoding (the rest are small or rare: kept as f32)
+QUANTIZED = frozenset((Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K))
+
+
+def _numba():
+    """The Numba kernel modules, imported on first use (only the no-C path needs them)."""
+    from . import numba_ops, numba_quant
+
+    return numba_ops, numba_quant
+
+
 @dataclass
 class QuantMatrix:
     """A (rows, cols) weight in its file encoding: ``data`` (rows, row_bytes) uint8 blocks."""
@@ -48,13 +57,40 @@ class QuantMatrix:
     rows: int
     cols: int
 
+    def __post_init__(self):
+        self.address = int(self.data.ctypes.data)  # for the C kernels (the mmap never moves)
+
     @property
     def code(self) -> int:
-        return CODES[self.qtype]
+        """The Numba kernels' code for the block type."""
+        return _numba()[1].CODES[self.qtype]
 
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
+
+
+@dataclass
+class _FusedPlan:
+    """ek_matvec_multi's per-matrix arguments for one group of weights (built once)."""
+
+    weights: tuple
+    total_rows: int
+    qtypes: object  # cffi int[]
+    addresses: object  # cffi uint8_t *[]
+    row_bytes: object  # cffi int64_t[]
+    rows: object  # cffi int[]
+
+
+def rope_tables(positions: np.ndarray, hd: int, theta: float,
+                freq_factors: np.ndarray | None = None,
+                freq_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (n, hd/2) f32 of each position's RoPE angles (computed in f64)."""
+    inv_freq = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd) * freq_scale
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq  # (n, hd/2)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def physical_cores() -> int:
@@ -85,7 +121,6 @@ class CpuBackend(NumpyBackend):
 
     def __init__(self, threads: int | None = None, kernels: str = "auto"):
         self.threads = int(threads or physical_cores())
-        numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         if kernels not in ("auto", "c", "numba"):
             raise ValueError(f"kernels must be auto, c or numba, not {kernels!r}")
         self.native = None if kernels == "numba" else cpu_kernels.load()
@@ -93,11 +128,17 @@ class CpuBackend(NumpyBackend):
             raise RuntimeError("C kernels requested but they do not build here "
                                "(need x86 AVX2, a C compiler and cffi: pip install cffi)")
         self.kernels = "c" if self.native is not None else "numba"
+        if self.native is None:
+            import numba
+
+            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         self._pool: ThreadPoolExecutor | None = None  # prefill workers, started on first use
+        self._plans: dict[tuple, _FusedPlan] = {}  # matmuls' C arguments per weight group
+        self._rope_cache: dict[tuple, tuple] = {}  # (cos, sin, freq_factors) per step
 
     # -- weights -------------------------------------------------------------------------
     def prepare(self, tensor: QTensor):
-        if tensor.qtype not in CODES:  # F32 / F16 / BF16: small or rare, kept as f32
+        if tensor.qtype not in QUANTIZED:  # F32 / F16 / BF16: small or rare, kept as f32
             return np.ascontiguousarray(tensor.dequantize(), dtype=np.float32)
         rows, cols = int(np.prod(tensor.shape[:-1])), int(tensor.shape[-1])
         return QuantMatrix(tensor.data.reshape(rows, -1), tensor.qtype, rows, cols)
@@ -110,8 +151,11 @@ class CpuBackend(NumpyBackend):
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not isinstance(table, QuantMatrix):
             return np.asarray(table[ids], dtype=np.float32)
+        if self.native is not None:  # gguf-py's numpy dequantizer: exact, and no Numba
+            return dequantize(table.data[ids], table.qtype)  # (n, d)
         out = np.empty((len(ids), table.cols), dtype=np.float32)  # (n, d)
-        dequant_rows(table.code, table.data, ids, out, F16_TABLE)
+        nq = _numba()[1]
+        nq.dequant_rows(table.code, table.data, ids, out, nq.F16_TABLE)
         return out
 
     def matmul(self, x: np.ndarray, weight, bias=None) -> np.ndarray:
@@ -132,19 +176,64 @@ class CpuBackend(NumpyBackend):
         out = np.empty((n, w.rows), dtype=np.float32)  # (n, out)
         lib = self.native
         if lib is None or w.cols % 32:
-            matvec(w.code, w.data, x, out, F16_TABLE)
+            nq = _numba()[1]
+            nq.matvec(w.code, w.data, x, out, nq.F16_TABLE)
             return out
-        ptr = lib.ffi.cast
+        ffi = lib.ffi
         # activations rounded in C as llama.cpp rounds them (Q8_K per 256 against K-quants);
         # a batch too big for the mat-vec registers (prefill) takes the GEMM where it has one
-        status = lib.lib.ek_matmul_f32(int(w.qtype), ptr("uint8_t *", w.data.ctypes.data),
+        status = lib.lib.ek_matmul_f32(int(w.qtype), ffi.cast("uint8_t *", w.address),
                                        w.data.strides[0], w.rows, w.cols,
-                                       ptr("float *", x.ctypes.data), n,
-                                       ptr("float *", out.ctypes.data), self.threads,
+                                       ffi.from_buffer("float[]", x), n,
+                                       ffi.from_buffer("float[]", out), self.threads,
                                        MATVEC_MAX_TOKENS)
         if status != 0:
             raise MemoryError(f"no memory for the int8 activations of {n} tokens x {w.cols}")
         return out
+
+    def matmuls(self, x, weights, biases=None):
+        """Decode's Q/K/V (gate/up) in one C job: the activations rounded once, the threads
+        woken once; results bit-identical to separate matmuls."""
+        x = np.ascontiguousarray(x, dtype=np.float32)  # (n, in)
+        plan = self._fused_plan(weights) if x.shape[0] <= MATVEC_MAX_TOKENS else None
+        if plan is None:
+            return super().matmuls(x, weights, biases)
+        n, ffi = x.shape[0], self.native.ffi
+        out = np.empty(n * plan.total_rows, dtype=np.float32)
+        status = self.native.lib.ek_matvec_multi(
+            len(weights), plan.qtypes, plan.addresses, plan.row_bytes, plan.rows, x.shape[1],
+            ffi.from_buffer("float[]", x), n, ffi.from_buffer("float[]", out), self.threads)
+        if status == -2:  # a type (or width) without C mat-vec kernels
+            return super().matmuls(x, weights, biases)
+        if status != 0:
+            raise MemoryError(f"no memory for the int8 activations of {n} tokens")
+        outs, start = [], 0
+        for w, b in zip(weights, biases or (None,) * len(weights), strict=True):
+            y = out[start:start + n * w.rows].reshape(n, w.rows)  # (n, out_i)
+            start += n * w.rows
+            outs.append(y if b is None else y + b)
+        return outs
+
+    def _fused_plan(self, weights) -> _FusedPlan | None:
+        """The C arguments describing ``weights`` (cached), or None where they can't fuse."""
+        key = tuple(id(w) for w in weights)
+        plan = self._plans.get(key)
+        if plan is not None and all(a is b for a, b in zip(plan.weights, weights, strict=True)):
+            return plan
+        lib = self.native
+        if (lib is None or not 1 < len(weights) <= 8
+                or not all(isinstance(w, QuantMatrix) for w in weights)
+                or len({w.cols for w in weights}) != 1):
+            return None
+        ffi = lib.ffi
+        plan = _FusedPlan(
+            weights=tuple(weights), total_rows=sum(w.rows for w in weights),
+            qtypes=ffi.new("int[]", [int(w.qtype) for w in weights]),
+            addresses=ffi.new("uint8_t *[]", [ffi.cast("uint8_t *", w.address) for w in weights]),
+            row_bytes=ffi.new("int64_t[]", [w.data.strides[0] for w in weights]),
+            rows=ffi.new("int[]", [w.rows for w in weights]))
+        self._plans[key] = plan
+        return plan
 
     def _matmul_tiled(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
         """Prefill: each worker decodes a tile of rows to f32 and multiplies it with BLAS."""
@@ -154,10 +243,12 @@ class CpuBackend(NumpyBackend):
         # the f32 product of llama.cpp's 8-bit-rounded activations with the decoded weights
         x_t = np.ascontiguousarray(round_activations_like_ggml(x, w.qtype).T)  # (in, n)
 
+        nq = _numba()[1]
+
         def run_tile(r0: int) -> None:
             r1 = min(w.rows, r0 + tile_rows)
             tile = np.empty((r1 - r0, w.cols), dtype=np.float32)  # (tile, in)
-            dequant_rows_serial(w.code, w.data, r0, r1, tile, F16_TABLE)
+            nq.dequant_rows_serial(w.code, w.data, r0, r1, tile, nq.F16_TABLE)
             np.matmul(tile, x_t, out=out_t[r0:r1])
 
         with blas_threads(1):
@@ -169,14 +260,21 @@ class CpuBackend(NumpyBackend):
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="edgellm-cpu")
         return self._pool
 
-    # -- fused elementwise ops (Numba) ------------------------------------------------------
+    # -- small fused ops (C, else Numba) ----------------------------------------------------
     def rms_norm(self, x, weight, eps):
-        return numba_ops.rms_norm(np.ascontiguousarray(x, dtype=np.float32), weight,
-                                  np.float32(eps))
+        x = np.ascontiguousarray(x, dtype=np.float32)  # (..., d)
+        if self.native is None:
+            return _numba()[0].rms_norm(x, weight, np.float32(eps))
+        weight = np.ascontiguousarray(weight, dtype=np.float32)
+        out = np.empty_like(x)
+        f = self.native.ffi.from_buffer
+        self.native.lib.ek_rms_norm(f("float[]", x), f("float[]", weight), f("float[]", out),
+                                    x.size // x.shape[-1], x.shape[-1], float(eps))
+        return out
 
     def silu_mul(self, gate, up):
         if self.native is None:
-            return numba_ops.silu_mul(gate, up)
+            return _numba()[0].silu_mul(gate, up)
         return self._elementwise("ek_silu_mul", gate, up)
 
     def gelu_tanh_mul(self, gate, up):
@@ -189,14 +287,35 @@ class CpuBackend(NumpyBackend):
         gate = np.ascontiguousarray(gate, dtype=np.float32)
         up = np.ascontiguousarray(up, dtype=np.float32)
         out = np.empty_like(gate)
-        ffi = self.native.ffi
-        getattr(self.native.lib, kernel)(ffi.cast("float *", gate.ctypes.data),
-                                         ffi.cast("float *", up.ctypes.data),
-                                         ffi.cast("float *", out.ctypes.data), gate.size)
+        f = self.native.ffi.from_buffer
+        getattr(self.native.lib, kernel)(f("float[]", gate), f("float[]", up), f("float[]", out),
+                                         gate.size)
         return out
 
     def rope(self, x, positions, theta, neox, freq_factors=None, freq_scale=1.0):
-        return numba_ops.rope(x, positions, theta, neox, freq_factors, freq_scale)
+        cos, sin = self._rope_tables(np.asarray(positions), x.shape[-1], theta, freq_factors,
+                                     freq_scale)  # (n, hd/2) each
+        x = np.ascontiguousarray(x, dtype=np.float32)  # (n, heads, hd)
+        if self.native is None:
+            return _numba()[0].rope(x, cos, sin, neox)
+        out = np.empty_like(x)
+        f = self.native.ffi.from_buffer
+        self.native.lib.ek_rope(f("float[]", x), f("float[]", cos), f("float[]", sin),
+                                f("float[]", out), x.shape[0], x.shape[1], x.shape[2], bool(neox))
+        return out
+
+    def _rope_tables(self, positions, hd, theta, freq_factors, freq_scale):
+        """cos/sin for these positions, computed once per forward pass, not per layer: every
+        layer (and Q and K) of a step turns the same positions by the same few RoPE bases."""
+        key = (positions.tobytes(), hd, float(theta), float(freq_scale), id(freq_factors))
+        tables = self._rope_cache.get(key)
+        if tables is None:
+            if len(self._rope_cache) >= 8:  # older steps' positions are never asked for again
+                self._rope_cache.clear()
+            # the entry holds freq_factors, so the id in its key cannot be reused meanwhile
+            tables = (*rope_tables(positions, hd, theta, freq_factors, freq_scale), freq_factors)
+            self._rope_cache[key] = tables
+        return tables[:2]
 
     def attention(self, q, k, v, mask, scale, softcap=0.0):
         if k.dtype not in (np.float16, np.float32):
@@ -205,7 +324,10 @@ class CpuBackend(NumpyBackend):
             return self._attention_blocked(q, k, v, mask, scale, softcap)
         if self.native is not None and k.dtype == np.float16 and q.shape[-1] % 8 == 0:
             return self._attention_f16(q, k, v, mask, scale, softcap)
-        return numba_ops.attention(q, k, v, mask, scale, softcap, F16_TABLE)
+        if self.native is not None:  # an f32 cache, or an odd head size: rare, no Numba
+            return super().attention(q, k, v, mask, scale, softcap)
+        nops, nq = _numba()
+        return nops.attention(q, k, v, mask, scale, softcap, nq.F16_TABLE)
 
     def _attention_f16(self, q, k, v, mask, scale, softcap):
         """Decode attention over the f16 cache in C (F16C loads, f32 arithmetic)."""

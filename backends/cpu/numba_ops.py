@@ -31,15 +31,14 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
 
 
 @nb.njit(**_JIT)
-def _rope(x, positions, inv_freq, neox, out):
-    """x, out (n, heads, hd); positions (n,); inv_freq (hd/2,) f64."""
+def _rope(x, cos, sin, neox, out):
+    """x, out (n, heads, hd); cos, sin (n, hd/2) f32: each pair turned by its angle."""
     n, heads, hd = x.shape
     half = hd // 2
     for t in range(n):
-        for i in range(half):
-            angle = positions[t] * inv_freq[i]
-            c, s = np.float32(np.cos(angle)), np.float32(np.sin(angle))
-            for h in range(heads):
+        for h in range(heads):
+            for i in range(half):
+                c, s = cos[t, i], sin[t, i]
                 if neox:
                     a, b = x[t, h, i], x[t, h, i + half]
                     out[t, h, i] = a * c - b * s
@@ -50,16 +49,11 @@ def _rope(x, positions, inv_freq, neox, out):
                     out[t, h, 2 * i + 1] = a * s + b * c
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool,
-         freq_factors: np.ndarray | None = None, freq_scale: float = 1.0) -> np.ndarray:
-    """Rotary embedding of x (n, heads, hd) at positions (n,); see Backend.rope."""
-    hd = x.shape[-1]
-    inv_freq = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd) * freq_scale
-    if freq_factors is not None:
-        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+    """Rotary embedding of x (n, heads, hd) by cos/sin (n, hd/2) tables; see Backend.rope."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
-    _rope(x, np.asarray(positions, dtype=np.float64), inv_freq, bool(neox), out)
+    _rope(x, cos, sin, bool(neox), out)
     return out
 
 

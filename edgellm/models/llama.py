@@ -189,9 +189,10 @@ class Model:
                   layer_cache: LayerCache):
         B, a = self.backend, self.args
         n = x.shape[0]
-        q = B.matmul(x, w.wq, w.bq).reshape(n, a.n_heads, a.head_dim)
-        k = B.matmul(x, w.wk, w.bk).reshape(n, a.n_kv_heads, a.head_dim)
-        v = B.matmul(x, w.wv, w.bv).reshape(n, a.n_kv_heads, a.head_dim)
+        q, k, v = B.matmuls(x, (w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv))
+        q = q.reshape(n, a.n_heads, a.head_dim)
+        k = k.reshape(n, a.n_kv_heads, a.head_dim)
+        v = v.reshape(n, a.n_kv_heads, a.head_dim)
         if w.q_norm is not None:
             q = B.rms_norm(q, w.q_norm, a.norm_eps)
             k = B.rms_norm(k, w.k_norm, a.norm_eps)
@@ -204,6 +205,6 @@ class Model:
 
     def mlp(self, block: Block, x):
         B = self.backend
-        gate, up = B.matmul(x, block.w_gate), B.matmul(x, block.w_up)
+        gate, up = B.matmuls(x, (block.w_gate, block.w_up))
         act = B.gelu_tanh_mul(gate, up) if self.activation == "gelu_tanh" else B.silu_mul(gate, up)
         return B.matmul(act, block.w_down)
