@@ -958,53 +958,124 @@ static inline __m256 load_f16x8(const uint16_t *p) {
  * mask (n, T) (nonzero: attend); out (n, H, hd). hd % 8 == 0. Scores, softmax and the
  * weighted sum in f32. (Rounding q and the probabilities to f16 as llama.cpp's non-flash
  * path does was tried: it moved no reference agreement up, Gemma's and Qwen's down.)
- * Returns 0, or -1 without memory. */
-int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,
-                     int n, int n_heads, int n_kv, int hd, int T, float scale, float softcap,
-                     float *out) {
-    float *scores = malloc(sizeof(float) * (T > 0 ? T : 1));
-    float *acc = malloc(sizeof(float) * hd);
-    if (!scores || !acc) {
-        free(scores);
-        free(acc);
-        return -1;
-    }
-    const int group = n_heads / n_kv;
-    for (int t = 0; t < n; t++) {
-        const uint8_t *m = mask + (int64_t)t * T;
-        for (int h = 0; h < n_heads; h++) {
-            const float *qh = q + ((int64_t)t * n_heads + h) * hd;
-            const int kh = h / group;
-            float best = -INFINITY;
-            for (int j = 0; j < T; j++) {
-                if (!m[j]) continue;
-                const uint16_t *kj = k + ((int64_t)j * n_kv + kh) * hd;
-                __m256 s8 = _mm256_setzero_ps();
-                for (int i = 0; i < hd; i += 8)
-                    s8 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), load_f16x8(kj + i), s8);
-                float s = hsum8(s8) * scale;
-                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-                scores[j] = s;
-                if (s > best) best = s;
+ *
+ * The unit of work is one token's group of query heads that share a KV head (GQA): each key
+ * and value row is converted from f16 once and used by the whole group, and the units run on
+ * the thread pool. A token's result does not depend on the others in the batch. */
+
+#define ATTN_GROUP_MAX 16  /* query heads per KV head handled in one unit */
+
+typedef struct {
+    const float *q;
+    const uint16_t *k, *v;
+    const uint8_t *mask;
+    int n_heads, n_kv, hd, T;
+    float scale, softcap;
+    float *out;
+    int failed;
+} attn_job_t;
+
+/* scores[g * T + j] = q_g . k_j (scaled, soft-capped) for the group's G query heads at q. */
+static void group_scores(const attn_job_t *a, const float *q, int kh, int G, const uint8_t *m,
+                         float *scores) {
+    const int hd = a->hd, T = a->T;
+    for (int j = 0; j < T; j++) {
+        if (!m[j]) {
+            for (int g = 0; g < G; g++) scores[(int64_t)g * T + j] = -INFINITY;
+            continue;
+        }
+        const uint16_t *kj = a->k + ((int64_t)j * a->n_kv + kh) * hd;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int ng = G - g0 < 4 ? G - g0 : 4;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                             _mm256_setzero_ps()};
+            for (int i = 0; i < hd; i += 8) {
+                const __m256 kv = load_f16x8(kj + i);
+                for (int g = 0; g < ng; g++)
+                    acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (int64_t)(g0 + g) * hd + i), kv,
+                                             acc[g]);
             }
-            float total = 0.0f;
-            for (int i = 0; i < hd; i++) acc[i] = 0.0f;
-            for (int j = 0; j < T; j++) {
-                if (!m[j]) continue;
-                const float p = expf(scores[j] - best);
-                const __m256 pv = _mm256_set1_ps(p);
-                const uint16_t *vj = v + ((int64_t)j * n_kv + kh) * hd;
-                total += p;
-                for (int i = 0; i < hd; i += 8)
-                    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load_f16x8(vj + i),
-                                                              _mm256_loadu_ps(acc + i)));
+            for (int g = 0; g < ng; g++) {
+                float s = hsum8(acc[g]) * a->scale;
+                if (a->softcap > 0.0f) s = a->softcap * tanhf(s / a->softcap);
+                scores[(int64_t)(g0 + g) * T + j] = s;
             }
-            float *o = out + ((int64_t)t * n_heads + h) * hd;
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-            for (int i = 0; i < hd; i++) o[i] = acc[i] * inv;
         }
     }
+}
+
+/* scores (T,) -> e^(s - max) in place (0 where masked, -inf); returns their sum. */
+static float softmax_numerators(float *scores, int T) {
+    float best = -INFINITY;
+    for (int j = 0; j < T; j++) best = scores[j] > best ? scores[j] : best;
+    if (best == -INFINITY) {
+        for (int j = 0; j < T; j++) scores[j] = 0.0f;
+        return 0.0f;
+    }
+    const __m256 b8 = _mm256_set1_ps(best);
+    __m256 sum8 = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= T; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), b8));
+        _mm256_storeu_ps(scores + j, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float total = hsum8(sum8);
+    for (; j < T; j++) {
+        scores[j] = scores[j] == -INFINITY ? 0.0f : expf(scores[j] - best);
+        total += scores[j];
+    }
+    return total;
+}
+
+static void attn_unit(const attn_job_t *a, int t, int kh, float *scores) {
+    const int G = a->n_heads / a->n_kv, hd = a->hd, T = a->T;
+    const uint8_t *m = a->mask + (int64_t)t * T;
+    const float *q = a->q + ((int64_t)t * a->n_heads + (int64_t)kh * G) * hd;
+    float *o = a->out + ((int64_t)t * a->n_heads + (int64_t)kh * G) * hd;  /* (G, hd) */
+    float inv[ATTN_GROUP_MAX];
+    group_scores(a, q, kh, G, m, scores);
+    for (int g = 0; g < G; g++) {
+        const float total = softmax_numerators(scores + (int64_t)g * T, T);
+        inv[g] = total > 0.0f ? 1.0f / total : 0.0f;
+    }
+    for (int i = 0; i < G * hd; i++) o[i] = 0.0f;
+    for (int j = 0; j < T; j++) {
+        if (!m[j]) continue;
+        const uint16_t *vj = a->v + ((int64_t)j * a->n_kv + kh) * hd;
+        for (int i = 0; i < hd; i += 8) {
+            const __m256 vv = load_f16x8(vj + i);
+            for (int g = 0; g < G; g++) {
+                float *og = o + (int64_t)g * hd + i;
+                const __m256 p = _mm256_set1_ps(scores[(int64_t)g * T + j]);
+                _mm256_storeu_ps(og, _mm256_fmadd_ps(p, vv, _mm256_loadu_ps(og)));
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < hd; i++) o[(int64_t)g * hd + i] *= inv[g];
+}
+
+/* parallel_rows hands out chunks of CHUNK_ROWS "rows": chunk c is unit c = (token, KV head) */
+static void attn_units(const void *ctx, int r0, int r1) {
+    (void)r1;
+    attn_job_t *a = (attn_job_t *)ctx;
+    const int unit = r0 / CHUNK_ROWS, G = a->n_heads / a->n_kv;
+    float *scores = malloc(sizeof(float) * G * (a->T > 0 ? a->T : 1));
+    if (!scores) {
+        a->failed = 1;
+        return;
+    }
+    attn_unit(a, unit / a->n_kv, unit % a->n_kv, scores);
     free(scores);
-    free(acc);
-    return 0;
+}
+
+/* Returns 0, -1 without memory, -2 for a head layout it does not take. */
+int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,
+                     int n, int n_heads, int n_kv, int hd, int T, float scale, float softcap,
+                     float *out, int nthreads) {
+    if (hd % 8 || n_kv < 1 || n_heads % n_kv || n_heads / n_kv > ATTN_GROUP_MAX) return -2;
+    attn_job_t a = {q, k, v, mask, n_heads, n_kv, hd, T, scale, softcap, out, 0};
+    parallel_rows(attn_units, &a, n * n_kv * CHUNK_ROWS, nthreads);
+    return a.failed ? -1 : 0;
 }

@@ -33,7 +33,7 @@ void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n);
 void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n);
 int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,
                      int n, int n_heads, int n_kv, int hd, int T, float scale, float softcap,
-                     float *out);
+                     float *out, int nthreads);
 """
 
 #: instruction-set variant -> (cpuinfo flags it needs, compiler flags)

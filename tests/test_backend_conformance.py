@@ -134,6 +134,23 @@ def test_attention(backend, n, T, window, softcap, kv_dtype, ring):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd", [(7, 1, 64), (12, 2, 128), (4, 1, 256),
+                                               (3, 3, 32), (40, 2, 64)])
+def test_attention_head_layouts(backend, heads, kv_heads, hd):
+    """Groups of query heads per KV head of every size the models use (and one past what a
+    kernel groups), over an f16 cache."""
+    rng = np.random.default_rng(heads)
+    n, T = 3, 37
+    q = rng.standard_normal((n, heads, hd)).astype(np.float32)
+    k = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
+    v = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
+    mask = np.arange(T)[None, :] <= np.arange(T - n, T)[:, None]
+    got = backend.to_numpy(backend.attention(backend.asarray(q), backend.asarray(k),
+                                             backend.asarray(v), mask, hd ** -0.5, 0.0))
+    want = REF.attention(q, k, v, mask, hd ** -0.5, 0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_activations_and_softcap(backend):
     rng = np.random.default_rng(0)
     g, u = (rng.standard_normal((3, 100)).astype(np.float32) * 3 for _ in range(2))

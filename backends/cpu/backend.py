@@ -330,17 +330,19 @@ class CpuBackend(NumpyBackend):
         return nops.attention(q, k, v, mask, scale, softcap, nq.F16_TABLE)
 
     def _attention_f16(self, q, k, v, mask, scale, softcap):
-        """Decode attention over the f16 cache in C (F16C loads, f32 arithmetic)."""
+        """Decode attention over the f16 cache in C (F16C loads, f32 arithmetic), one unit of
+        work per token and KV head, on the kernels' threads."""
         q = np.ascontiguousarray(q, dtype=np.float32)  # (n, H, hd)
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)  # (T, KVH, hd) f16
         mask = np.ascontiguousarray(mask, dtype=np.uint8)  # (n, T)
         out = np.empty_like(q)
-        ptr = self.native.ffi.cast
+        f = self.native.ffi.from_buffer
         status = self.native.lib.ek_attention_f16(
-            ptr("float *", q.ctypes.data), ptr("uint16_t *", k.ctypes.data),
-            ptr("uint16_t *", v.ctypes.data), ptr("uint8_t *", mask.ctypes.data), q.shape[0],
-            q.shape[1], k.shape[1], q.shape[2], k.shape[0], float(scale), float(softcap),
-            ptr("float *", out.ctypes.data))
+            f("float[]", q), f("uint16_t[]", k), f("uint16_t[]", v), f("uint8_t[]", mask),
+            q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[0], float(scale),
+            float(softcap), f("float[]", out), self.threads)
+        if status == -2:  # more query heads per KV head than the kernel groups
+            return super().attention(q, k, v, mask, scale, softcap)
         if status != 0:
             raise MemoryError("no memory for attention scores")
         return out
