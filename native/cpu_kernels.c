@@ -865,7 +865,7 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* out = silu(gate) * up = gate / (1 + e^-gate) * up over n floats (SwiGLU). */
-void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
+static void silu_mul(const float *gate, const float *up, float *out, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 g = _mm256_loadu_ps(gate + i);
@@ -876,7 +876,7 @@ void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
 }
 
 /* out = gelu(gate) * up with GELU's tanh form, tanh(y) = 1 - 2 / (e^(2y) + 1) (GeGLU). */
-void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n) {
+static void gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n) {
     const __m256 c = _mm256_set1_ps(0.7978845608f), k = _mm256_set1_ps(0.044715f);
     const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
     int64_t i = 0;
@@ -947,6 +947,45 @@ void ek_rope(const float *x, const float *cos, const float *sin, float *out, int
             }
         }
     }
+}
+
+/* The gated activations over a prefill's (n, ffn) products are worth threads: pieces of
+ * ELEMENTWISE_PIECE floats, one per parallel_rows chunk. */
+#define ELEMENTWISE_PIECE 16384
+
+typedef struct {
+    void (*fn)(const float *, const float *, float *, int64_t);
+    const float *gate, *up;
+    float *out;
+    int64_t n;
+} elementwise_job_t;
+
+static void elementwise_piece(const void *ctx, int r0, int r1) {
+    (void)r1;
+    const elementwise_job_t *j = ctx;
+    const int64_t start = (int64_t)(r0 / CHUNK_ROWS) * ELEMENTWISE_PIECE;
+    const int64_t len = j->n - start < ELEMENTWISE_PIECE ? j->n - start : ELEMENTWISE_PIECE;
+    j->fn(j->gate + start, j->up + start, j->out + start, len);
+}
+
+static void elementwise_mt(void (*fn)(const float *, const float *, float *, int64_t),
+                           const float *gate, const float *up, float *out, int64_t n,
+                           int nthreads) {
+    const int64_t pieces = (n + ELEMENTWISE_PIECE - 1) / ELEMENTWISE_PIECE;
+    if (pieces < 2 || pieces * CHUNK_ROWS > INT32_MAX) {
+        fn(gate, up, out, n);
+        return;
+    }
+    elementwise_job_t j = {fn, gate, up, out, n};
+    parallel_rows(elementwise_piece, &j, (int)(pieces * CHUNK_ROWS), nthreads);
+}
+
+void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n, int nthreads) {
+    elementwise_mt(silu_mul, gate, up, out, n, nthreads);
+}
+
+void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n, int nthreads) {
+    elementwise_mt(gelu_tanh_mul, gate, up, out, n, nthreads);
 }
 
 /* 16 f16 values at p as f32 */

@@ -29,8 +29,9 @@ int ek_matvec_multi(int count, const int *qtypes, const uint8_t *const *ws,
 void ek_rms_norm(const float *x, const float *w, float *out, int64_t rows, int d, float eps);
 void ek_rope(const float *x, const float *cos, const float *sin, float *out, int n, int heads,
              int hd, int neox);
-void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n);
-void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n);
+void ek_silu_mul(const float *gate, const float *up, float *out, int64_t n, int nthreads);
+void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n,
+                      int nthreads);
 int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,
                      int n, int n_heads, int n_kv, int hd, int T, float scale, float softcap,
                      float *out, int nthreads);

@@ -167,6 +167,17 @@ def test_activations_and_softcap(backend):
     np.testing.assert_allclose(got, g * 2.5, rtol=1e-6)
 
 
+def test_activations_at_prefill_size(backend):
+    """A prefill's (n, ffn) gate/up: large enough to be split across threads, odd length."""
+    rng = np.random.default_rng(1)
+    g, u = (rng.standard_normal((37, 2049)).astype(np.float32) * 3 for _ in range(2))
+    for op in ("silu_mul", "gelu_tanh_mul"):
+        got = backend.to_numpy(getattr(backend, op)(backend.asarray(g), backend.asarray(u)))
+        table = op == "gelu_tanh_mul" and backend.ggml_numerics  # f16 in and out (~1e-3)
+        np.testing.assert_allclose(got, getattr(REF, op)(g, u), rtol=1e-3 if table else 1e-4,
+                                   atol=3e-3 if table else 1e-4)
+
+
 def _c_kernel_variants():
     """(id, CpuBackend) for each C kernel variant this CPU can run (best, and AVX2 too)."""
     if "cpu" not in available_backends():

@@ -283,13 +283,14 @@ class CpuBackend(NumpyBackend):
         return self._elementwise("ek_gelu_tanh_mul", gate, up)
 
     def _elementwise(self, kernel: str, gate, up):
-        """out = f(gate) * up by a one-pass C kernel (no numpy temporaries)."""
+        """out = f(gate) * up by a one-pass C kernel (no numpy temporaries; threaded when
+        large, as in prefill)."""
         gate = np.ascontiguousarray(gate, dtype=np.float32)
         up = np.ascontiguousarray(up, dtype=np.float32)
         out = np.empty_like(gate)
         f = self.native.ffi.from_buffer
         getattr(self.native.lib, kernel)(f("float[]", gate), f("float[]", up), f("float[]", out),
-                                         gate.size)
+                                         gate.size, self.threads)
         return out
 
     def rope(self, x, positions, theta, neox, freq_factors=None, freq_scale=1.0):
