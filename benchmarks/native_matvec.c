@@ -1,13 +1,15 @@
-/* Kernel bandwidth at real model sizes: the C mat-vec (and, for the per-block types, the
- * prefill GEMM) on random blocks of one type, weights larger than the L3 so they stream from
- * DRAM. Compiled as one unit with the kernels (it calls their internal functions):
+/* Kernel speed at real model sizes on random blocks of one type: the C mat-vec for TOKENS <= 8,
+ * with weights larger than the L3 so they stream from DRAM, and the prefill GEMM (every type)
+ * above that, on 3 copies (it is compute-bound). Compiled as one unit with the kernels (it
+ * calls their internal functions):
  *
  *   cat native/cpu_kernels.c native/cpu_gemm.c benchmarks/native_matvec.c > /tmp/nm.c
  *   gcc -O3 -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512vnni -pthread \
  *       /tmp/nm.c -o /tmp/nm -lm
  *   /tmp/nm QTYPE ROWS COLS TOKENS THREADS     e.g. /tmp/nm 8 151936 896 1 1 (Q8_0 output head)
  *
- * QTYPE is ggml's type id (2 Q4_0, 6 Q5_0, 8 Q8_0, 12 Q4_K, 14 Q6_K); add -DPREFETCH_AHEAD=N
+ * QTYPE is ggml's type id (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K);
+ * e.g. /tmp/nm 12 8960 1536 512 1 for one thread's prefill GEMM. Add -DPREFETCH_AHEAD=N
  * to gcc to try another prefetch distance (0: none). Prints the best of 3
  * passes as ms per matmul, weight GB/s and GFLOP/s.
  */
@@ -32,7 +34,10 @@ int main(int argc, char **argv) {
                           : qtype == T_Q4_0 ? 18 : qtype == T_Q4_1 ? 20 : qtype == T_Q5_0 ? 22
                           : qtype == T_Q5_1 ? 24 : 34;
     const int64_t row_bytes = (int64_t)cols / (kq ? 256 : 32) * block_bytes;
-    const int copies = (int)(1.2e9 / ((double)rows * row_bytes)) + 1;  /* > L3 in all */
+    /* mat-vec: copies > L3 in all; the GEMM (TOKENS > MAXN) reads each weight once per call
+     * and is compute-bound, so 3 copies keep a run short */
+    int copies = (int)(1.2e9 / ((double)rows * row_bytes)) + 1;
+    if (n > MAXN && copies > 3) copies = 3;
     uint8_t *w = malloc((size_t)copies * rows * row_bytes);
     srand(1);
     for (int64_t i = 0; i < (int64_t)copies * rows * row_bytes; i++) w[i] = (uint8_t)rand();

@@ -217,9 +217,33 @@ def test_matvec_batch_invariant(qtype):
 
 
 @pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
+def test_prefill_gemm_ragged_tiles(qtype):
+    """The AVX-512 GEMM (16 rows in the lanes of a register, 8 tokens a tile, the rest in tiles
+    of 4, 2, 1; up to 4 chunks of 16 rows a unit of work) at sizes that fill no tile: 17, 77
+    and 525 rows (a last chunk of 1 or 13 rows, a last unit of one chunk), 9..130 tokens, one
+    outsized token (its own scales), each against x @ w.T."""
+    variants = _c_kernel_variants()
+    if not variants:
+        pytest.skip("no C kernels here")
+    b = variants[0][1]
+    cols = 512
+    for rows in (17, 77, 525):
+        tensor = random_tensor(qtype, rows, cols, seed=rows)
+        w = dequantize(tensor.data, qtype).reshape(rows, cols)
+        prepared = b.prepare(tensor)
+        for n in (9, 15, 37, 130):
+            x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
+            x[n // 2] *= 40.0
+            got = b.matmul(x, prepared)
+            want = x @ w.T
+            assert np.all(np.abs(got - want) <= int8_activation_bound(w, x)
+                          + 1e-4 * np.abs(want)), (rows, n)
+
+
+@pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
 def test_prefill_matmul_in_every_c_kernel_variant(qtype):
-    """A prefill-sized batch in each C build: the AVX-512 one takes the GEMM for the per-block
-    types, the AVX2 one (no GEMM) falls back to the mat-vec kernels."""
+    """A prefill-sized batch in each C build: the AVX-512 one takes the GEMM (every type), the
+    AVX2 one (no GEMM) falls back to the mat-vec kernels."""
     variants = _c_kernel_variants()
     if not variants:
         pytest.skip("no C kernels here")
