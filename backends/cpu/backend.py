@@ -31,6 +31,8 @@ from .blas_threads import blas_threads
 MATVEC_MAX_TOKENS = 8
 #: up to this many query tokens attention runs the Numba kernel; above, BLAS (reference)
 ATTENTION_KERNEL_MAX_TOKENS = 16
+#: query x key products (per K or V pass) below which decode attention runs on one thread
+ATTENTION_THREADS_MIN_MACS = 1 << 20
 #: queries per block of prefill attention (each block reads only the keys its mask reaches)
 ATTENTION_QUERY_BLOCK = 128
 #: f32 bytes of one decoded weight tile in prefill (large enough for BLAS to run at speed)
@@ -337,11 +339,13 @@ class CpuBackend(NumpyBackend):
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)  # (T, KVH, hd) f16
         mask = np.ascontiguousarray(mask, dtype=np.uint8)  # (n, T)
         out = np.empty_like(q)
+        # one token over a short context is ~50 us of work: waking a helper costs about as much
+        threads = self.threads if q.size * k.shape[0] >= ATTENTION_THREADS_MIN_MACS else 1
         f = self.native.ffi.from_buffer
         status = self.native.lib.ek_attention_f16(
             f("float[]", q), f("uint16_t[]", k), f("uint16_t[]", v), f("uint8_t[]", mask),
             q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[0], float(scale),
-            float(softcap), f("float[]", out), self.threads)
+            float(softcap), f("float[]", out), threads)
         if status == -2:  # more query heads per KV head than the kernel groups
             return super().attention(q, k, v, mask, scale, softcap)
         if status != 0:
