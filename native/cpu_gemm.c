@@ -348,16 +348,30 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t *x) {
     return acc;
 }
 
-/* The integer dot of one sub-block (L columns from column group k0) for each token. */
+/* The integer dot of one sub-block (L columns from column group k0) for each token. With few
+ * tokens (decode) one accumulator per token would be a chain of dependent vpdpbusd, each
+ * waiting out the last one's latency; CHAINS(T) independent partial sums per token are added
+ * at the end instead (integers: the same result for any split, so a token's output does not
+ * depend on the batch it came in). */
+#define CHAINS(T) ((T) >= 4 ? 1 : (T) == 2 ? 2 : 4)
+
 FORCE void sub_dots(const uint8_t *wq, const int8_t *x, const int32_t *xc, int k0, const int L,
                     const int T, const int off, __m512i *acc) {
+    const int C = CHAINS(T);
+    __m512i part[GEMM_T * 4];  /* (T, C): chain c of token t at part[t * C + c] */
     for (int t = 0; t < T; t++)
-        acc[t] = off ? _mm512_set1_epi32(xc[t]) : _mm512_setzero_si512();
+        for (int c = 0; c < C; c++)
+            part[t * C + c] = off && c == 0 ? _mm512_set1_epi32(xc[t]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int k = k0; k < k0 + L / 4; k++) {
         const __m512i wv = _mm512_load_si512(wq + 64 * (int64_t)k);
+        const int c = (k - k0) % C;
         for (int t = 0; t < T; t++)
-            acc[t] = dpbusd_bcast(acc[t], wv, x + 4 * ((int64_t)k * T + t));
+            part[t * C + c] = dpbusd_bcast(part[t * C + c], wv, x + 4 * ((int64_t)k * T + t));
+    }
+    for (int t = 0; t < T; t++) {
+        acc[t] = part[t * C];
+        for (int c = 1; c < C; c++) acc[t] = _mm512_add_epi32(acc[t], part[t * C + c]);
     }
 }
 

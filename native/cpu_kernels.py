@@ -16,8 +16,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-#: compiled as one unit, in this order (the GEMM uses the mat-vec file's helpers and pool)
-SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_gemm.c"))
+#: compiled as one unit, in this order (the GEMM uses the mat-vec file's helpers and pool, the
+#: packed weights the GEMM's tiles)
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_kernels.c", "cpu_gemm.c", "cpu_packed.c"))
 
 CDEF = """
 int ek_supports(int qtype);
@@ -26,6 +28,11 @@ int ek_matmul_f32(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int 
 int ek_matvec_multi(int count, const int *qtypes, const uint8_t *const *ws,
                     const int64_t *row_bytes, const int *rows, int cols, const float *x, int n,
                     float *out, int nthreads);
+int64_t ek_packed_bytes(int qtype, int rows, int cols);
+int ek_pack(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols, uint8_t *dst,
+            int nthreads);
+int ek_matmul_packed(int qtype, const uint8_t *packed, int rows, int cols, const float *x,
+                     int n, float *out, int nthreads);
 void ek_rms_norm(const float *x, const float *w, float *out, int64_t rows, int d, float eps);
 void ek_rope(const float *x, const float *cos, const float *sin, float *out, int n, int heads,
              int hd, int neox);

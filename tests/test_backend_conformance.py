@@ -179,7 +179,8 @@ def test_activations_at_prefill_size(backend):
 
 
 def _c_kernel_variants():
-    """(id, CpuBackend) for each C kernel variant this CPU can run (best, and AVX2 too)."""
+    """(id, CpuBackend) for each C kernel variant this CPU can run (best, and AVX2 too), with
+    and without weights packed at load where the build packs them."""
     if "cpu" not in available_backends():
         return []
     from edgellm.native import cpu_kernels
@@ -192,7 +193,12 @@ def _c_kernel_variants():
     for name in names:
         b = get_backend("cpu", kernels="c")
         b.native = cpu_kernels.load(name)
-        out.append((name, b))
+        b.packing = b.packing and name == best
+        out.append((name + ("-packed" if b.packing else ""), b))
+        if b.packing:  # the same build on the file's blocks (the types it does not pack)
+            plain = get_backend("cpu", kernels="c")
+            plain.packing = False
+            out.append((name, plain))
     return out
 
 

@@ -13,6 +13,7 @@ both lookup and output from the same bytes and resident memory stays near the fi
 
 from __future__ import annotations
 
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ class QuantMatrix:
     qtype: Q
     rows: int
     cols: int
+    #: the same weights repacked for the C tiles (native/cpu_packed.c), or None
+    packed: np.ndarray | None = None
 
     def __post_init__(self):
         self.address = int(self.data.ctypes.data)  # for the C kernels (the mmap never moves)
@@ -82,6 +85,24 @@ class _FusedPlan:
     addresses: object  # cffi uint8_t *[]
     row_bytes: object  # cffi int64_t[]
     rows: object  # cffi int[]
+
+
+def release_file_pages(view: np.ndarray) -> None:
+    """Drop this process's resident pages of a read-only file mapping under ``view`` (whole
+    pages inside it only); a later read faults them back in from the page cache."""
+    base = view
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if isinstance(base, memoryview):  # numpy's wrapper around the buffer it was given
+        base = base.obj
+    if not isinstance(base, mmap.mmap) or not hasattr(base, "madvise"):
+        return  # not file-backed (a copy in anonymous memory would lose its contents)
+    origin = np.frombuffer(base, dtype=np.uint8).ctypes.data
+    start = view.ctypes.data - origin
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        base.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def rope_tables(positions: np.ndarray, hd: int, theta: float,
@@ -130,6 +151,9 @@ class CpuBackend(NumpyBackend):
             raise RuntimeError("C kernels requested but they do not build here "
                                "(need x86 AVX2, a C compiler and cffi: pip install cffi)")
         self.kernels = "c" if self.native is not None else "numba"
+        #: weights repacked at load for the C tiles (AVX-512 VNNI builds; EDGELLM_PACK=0: off)
+        self.packing = (self.native is not None and os.environ.get("EDGELLM_PACK", "1") != "0"
+                        and self.native.lib.ek_packed_bytes(int(Q.Q8_0), 16, 32) > 0)
         if self.native is None:
             import numba
 
@@ -140,13 +164,33 @@ class CpuBackend(NumpyBackend):
 
     # -- weights -------------------------------------------------------------------------
     def prepare(self, tensor: QTensor):
+        weight = self.prepare_embedding(tensor)
+        if isinstance(weight, QuantMatrix) and self.packing:
+            weight.packed = self._pack(weight)
+        return weight
+
+    def prepare_embedding(self, tensor: QTensor):
+        """The file's blocks, zero copy (lookups read only the rows they need)."""
         if tensor.qtype not in QUANTIZED:  # F32 / F16 / BF16: small or rare, kept as f32
             return np.ascontiguousarray(tensor.dequantize(), dtype=np.float32)
         rows, cols = int(np.prod(tensor.shape[:-1])), int(tensor.shape[-1])
         return QuantMatrix(tensor.data.reshape(rows, -1), tensor.qtype, rows, cols)
 
-    def prepare_embedding(self, tensor: QTensor):
-        return self.prepare(tensor)  # the same zero-copy blocks serve lookup and output
+    def _pack(self, w: QuantMatrix) -> np.ndarray | None:
+        """w repacked for the C tiles (None where its type is not packed), after which the
+        file's pages of w are handed back: resident memory holds the weights once."""
+        lib = self.native.lib
+        size = lib.ek_packed_bytes(int(w.qtype), w.rows, w.cols)
+        if size <= 0:
+            return None
+        packed = np.zeros(size, dtype=np.uint8)
+        f = self.native.ffi
+        status = lib.ek_pack(int(w.qtype), f.cast("uint8_t *", w.address), w.data.strides[0],
+                             w.rows, w.cols, f.from_buffer("uint8_t[]", packed), self.threads)
+        if status != 0:
+            raise MemoryError(f"no memory to repack a {w.rows} x {w.cols} weight")
+        release_file_pages(w.data)
+        return packed
 
     # -- ops -----------------------------------------------------------------------------
     def embed(self, table, ids: np.ndarray) -> np.ndarray:
@@ -177,6 +221,14 @@ class CpuBackend(NumpyBackend):
         n = x.shape[0]
         out = np.empty((n, w.rows), dtype=np.float32)  # (n, out)
         lib = self.native
+        if w.packed is not None and lib is not None:  # decode and prefill: the packed copy
+            f = lib.ffi.from_buffer
+            status = lib.lib.ek_matmul_packed(int(w.qtype), f("uint8_t[]", w.packed), w.rows,
+                                              w.cols, f("float[]", x), n, f("float[]", out),
+                                              self.threads)
+            if status != 0:
+                raise MemoryError(f"no memory for the int8 activations of {n} tokens")
+            return out
         if lib is None or w.cols % 32:
             nq = _numba()[1]
             nq.matvec(w.code, w.data, x, out, nq.F16_TABLE)
@@ -224,7 +276,7 @@ class CpuBackend(NumpyBackend):
             return plan
         lib = self.native
         if (lib is None or not 1 < len(weights) <= 8
-                or not all(isinstance(w, QuantMatrix) for w in weights)
+                or not all(isinstance(w, QuantMatrix) and w.packed is None for w in weights)
                 or len({w.cols for w in weights}) != 1):
             return None
         ffi = lib.ffi

@@ -1,0 +1,487 @@
+/* Weights repacked once at load ("packed"), for decode and prefill alike (AVX-512 VNNI).
+ *
+ * Compiled as one unit after cpu_gemm.c: it feeds that file's register tiles (rows in lanes,
+ * 16 rows x T tokens) from a compact copy of the weights instead of the file's blocks.
+ *
+ * Why: on the file's blocks, a decode mat-vec spends most of its instructions taking each
+ * 32-weight block apart (nibbles, fifth bits, per-block scales) and summing it horizontally,
+ * for every row and again for every token of a verification batch; one core then manages
+ * ~9 GB/s of Q5_0 and the extra tokens of a speculative check cost ~15% each. Packed, each
+ * chunk of 16 rows keeps the tile's layout, 4-bit values two to a byte: one 64-byte load
+ * becomes 128 weights of 16 rows with an and, a shift and an and, every vpdpbusd then serves
+ * one token for 64 weights, and no sums run across lanes. The tile kernels are the GEMM's, so
+ * a token's result is the same alone or in any batch (speculative decoding relies on it).
+ *
+ * A chunk is a run of records in column order, each the layout of the tile's column groups
+ * (4 columns x 16 rows x 1 byte; a "nibble vector" holds groups 2i in its low nibbles and
+ * 2i + 1 in its high ones) followed by the raw scales of the 16 rows:
+ *   Q8_0, 32 columns:  8 x 64 q+128 bytes | d f16[16]                              544 bytes
+ *   Q5_0, 32 columns:  4 x 64 nibbles | 4 x 2 u64 fifth bits (one per group) | d f16[16]  352
+ *   Q4_K, 256 columns: 32 x 64 nibbles | sc u8[8][16] | m u8[8][16] | d, dmin f16[16]   2368
+ *   Q6_K, 256 columns: 32 x 64 nibbles | 16 x 64 top-2-bit bytes (groups 4h..4h+3 in bits
+ *                      0-1, 2-3, 4-5, 6-7) | sc i8[16][16] | d f16[16]                 3360
+ * the same bytes as the file's blocks (Q4_K: +3%), so resident memory stays near the file
+ * size once the file's pages are let go (the caller's job). Rows past the end are zero.
+ */
+
+#if defined(HAVE_GEMM)
+
+static int64_t packed_record_bytes(int qtype) {
+    switch (qtype) {
+    case T_Q8_0: return 544;
+    case T_Q5_0: return 352;
+    case T_Q4_K: return 2368;
+    case T_Q6_K: return 3360;
+    default: return 0;
+    }
+}
+
+static int packed_record_cols(int qtype) { return qtype == T_Q4_K || qtype == T_Q6_K ? 256 : 32; }
+
+static int64_t packed_chunk_bytes(int qtype, int cols) {
+    return (int64_t)cols / packed_record_cols(qtype) * packed_record_bytes(qtype);
+}
+
+/* Bytes of a packed rows x cols matrix of qtype, or 0 for a type (or width) it does not take. */
+int64_t ek_packed_bytes(int qtype, int rows, int cols) {
+    if (!packed_record_bytes(qtype) || cols % packed_record_cols(qtype)) return 0;
+    return packed_chunk_bytes(qtype, cols) * ((rows + CHUNK_ROWS - 1) / CHUNK_ROWS);
+}
+
+/* ---- packing (once, at load) ------------------------------------------------------------- */
+
+static inline __m512i load_group(const chunk_t *u, int g) {
+    return _mm512_load_si512(u->q + 64 * (int64_t)g);
+}
+
+/* groups 2i, 2i + 1 of the tile layout as one nibble vector */
+static inline __m512i pack_nibbles(const chunk_t *u, int g) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    return _mm512_or_si512(_mm512_and_si512(load_group(u, g), low4),
+                           _mm512_slli_epi16(_mm512_and_si512(load_group(u, g + 1), low4), 4));
+}
+
+/* The raw scales of row r's record starting at column c0, into the record's scale area. */
+static void pack_scales(int qtype, const uint8_t *row, int c0, int r, uint8_t *area) {
+    if (qtype == T_Q8_0 || qtype == T_Q5_0) {
+        const uint8_t *blk = row + (int64_t)c0 / 32 * (qtype == T_Q8_0 ? 34 : 22);
+        memcpy(area + 2 * r, blk, 2);
+    } else if (qtype == T_Q4_K) {
+        const uint8_t *blk = row + (int64_t)c0 / 256 * 144;
+        uint8_t sc[8], mn[8];
+        scales_mins_k4(blk + 4, sc, mn);
+        for (int j = 0; j < 8; j++) {
+            area[16 * j + r] = sc[j];
+            area[128 + 16 * j + r] = mn[j];
+        }
+        memcpy(area + 256 + 2 * r, blk, 2);
+        memcpy(area + 288 + 2 * r, blk + 2, 2);
+    } else {  /* Q6_K */
+        const uint8_t *blk = row + (int64_t)c0 / 256 * 210;
+        for (int j = 0; j < 16; j++) area[16 * j + r] = blk[192 + j];
+        memcpy(area + 256 + 2 * r, blk + 208, 2);
+    }
+}
+
+/* One chunk: rows [r0, r0 + nr) of the file's blocks w into its packed records at dst. */
+static void pack_chunk(int qtype, const uint8_t *w, int64_t row_bytes, int nr, int cols,
+                       chunk_t *u, uint8_t *dst) {
+    unpack_chunk(qtype, w, row_bytes, nr, cols, u);  /* the tile layout, q unsigned */
+    const int rc = packed_record_cols(qtype);
+    for (int c0 = 0; c0 < cols; c0 += rc, dst += packed_record_bytes(qtype)) {
+        const int g0 = c0 / 4, groups = rc / 4;
+        uint8_t *scales = dst;
+        if (qtype == T_Q8_0) {
+            memcpy(dst, u->q + 64 * (int64_t)g0, 512);
+            scales = dst + 512;
+        } else {
+            for (int i = 0; i < groups / 2; i++)
+                _mm512_storeu_si512(dst + 64 * i, pack_nibbles(u, g0 + 2 * i));
+            scales = dst + 32 * groups;
+            if (qtype == T_Q5_0) {  /* each group's fifth bits: one bit per byte of the group */
+                for (int g = 0; g < groups; g++) {
+                    const uint64_t bits = _mm512_test_epi8_mask(load_group(u, g0 + g),
+                                                                 _mm512_set1_epi8(0x10));
+                    memcpy(scales + 8 * g, &bits, 8);
+                }
+                scales += 8 * groups;
+            } else if (qtype == T_Q6_K) {  /* bits 4-5 of groups 4h..4h+3 in one byte */
+                const __m512i two = _mm512_set1_epi8(3);
+                for (int h = 0; h < groups / 4; h++) {
+                    __m512i hb = _mm512_setzero_si512();
+                    for (int k = 0; k < 4; k++) {
+                        const __m512i top = _mm512_and_si512(
+                            _mm512_srli_epi16(load_group(u, g0 + 4 * h + k), 4), two);
+                        hb = _mm512_or_si512(hb, _mm512_slli_epi16(top, 2 * k));
+                    }
+                    _mm512_storeu_si512(scales + 64 * h, hb);
+                }
+                scales += 16 * groups;
+            }
+        }
+        for (int r = 0; r < nr; r++) pack_scales(qtype, w + r * row_bytes, c0, r, scales);
+    }
+}
+
+typedef struct {
+    int qtype, rows, cols;
+    const uint8_t *w;
+    int64_t row_bytes;
+    uint8_t *dst;
+    int failed;
+} pack_job_t;
+
+static void pack_rows(const void *ctx, int r0, int r1) {
+    pack_job_t *j = (pack_job_t *)ctx;
+    chunk_t *u = &tl_chunks[0];
+    if (!chunk_reserve(u, j->cols)) {
+        j->failed = 1;
+        return;
+    }
+    pack_chunk(j->qtype, j->w + (int64_t)r0 * j->row_bytes, j->row_bytes, r1 - r0, j->cols, u,
+               j->dst + (int64_t)(r0 / CHUNK_ROWS) * packed_chunk_bytes(j->qtype, j->cols));
+}
+
+/* w (rows, row_bytes) in the file's blocks -> dst (ek_packed_bytes, zeroed by the caller).
+ * Returns 0, -1 without memory, -2 for a type it does not pack. */
+int ek_pack(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols, uint8_t *dst,
+            int nthreads) {
+    if (!ek_packed_bytes(qtype, rows, cols)) return -2;
+    pack_job_t j = {qtype, rows, cols, w, row_bytes, dst, 0};
+    parallel_rows(pack_rows, &j, rows, nthreads);
+    return j.failed ? -1 : 0;
+}
+
+/* ---- expanding a packed chunk into the tile layout (per call, per thread) ----------------- */
+
+static inline void store_group(chunk_t *u, int g, __m512i v) {
+    _mm512_store_si512(u->q + 64 * (int64_t)g, v);
+}
+
+static inline __m512 f16x16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+static void expand_chunk(int qtype, const uint8_t *src, int cols, chunk_t *u) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    const int rc = packed_record_cols(qtype), groups = rc / 4;
+    for (int c0 = 0; c0 < cols; c0 += rc, src += packed_record_bytes(qtype)) {
+        const int g0 = c0 / 4;
+        if (qtype == T_Q8_0) {
+            for (int g = 0; g < 8; g++) store_group(u, g0 + g, _mm512_loadu_si512(src + 64 * g));
+            _mm512_store_ps(u->scale + 16 * (c0 / 32), f16x16(src + 512));
+            continue;
+        }
+        for (int i = 0; i < groups / 2; i++) {
+            const __m512i v = _mm512_loadu_si512(src + 64 * i);
+            __m512i lo = _mm512_and_si512(v, low4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            if (qtype == T_Q5_0) {
+                uint64_t m0, m1;
+                memcpy(&m0, src + 256 + 16 * i, 8);
+                memcpy(&m1, src + 256 + 16 * i + 8, 8);
+                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(m0, bit4));
+                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(m1, bit4));
+            }
+            store_group(u, g0 + 2 * i, lo);
+            store_group(u, g0 + 2 * i + 1, hi);
+        }
+        if (qtype == T_Q5_0) {
+            _mm512_store_ps(u->scale + 16 * (c0 / 32), f16x16(src + 320));
+        } else if (qtype == T_Q6_K) {
+            const uint8_t *hbits = src + 2048, *sc = src + 3072;
+            const __m512i top = _mm512_set1_epi8(0x30);
+            for (int h = 0; h < 16; h++) {
+                const __m512i hb = _mm512_loadu_si512(hbits + 64 * h);
+                const int g = g0 + 4 * h;
+                const __m512i add[4] = {_mm512_slli_epi16(hb, 4), _mm512_slli_epi16(hb, 2), hb,
+                                        _mm512_srli_epi16(hb, 2)};
+                for (int k = 0; k < 4; k++)
+                    store_group(u, g + k, _mm512_or_si512(load_group(u, g + k),
+                                                          _mm512_and_si512(add[k], top)));
+            }
+            const __m512 d = f16x16(src + 3328);
+            for (int j = 0; j < 16; j++) {
+                const __m512 s = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * j))));
+                _mm512_store_ps(u->scale + 16 * (c0 / 16 + j), _mm512_mul_ps(d, s));
+            }
+        } else {  /* Q4_K */
+            const uint8_t *sc = src + 2048, *mn = src + 2176;
+            const __m512 d = f16x16(src + 2304), dmin = f16x16(src + 2336);
+            for (int j = 0; j < 8; j++) {
+                const __m512 s = _mm512_cvtepi32_ps(
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * j))));
+                const __m512 m = _mm512_cvtepi32_ps(
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + 16 * j))));
+                _mm512_store_ps(u->scale + 16 * (c0 / 32 + j), _mm512_mul_ps(d, s));
+                _mm512_store_ps(u->minv + 16 * (c0 / 32 + j),
+                                _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, m)));
+            }
+        }
+    }
+}
+
+/* ---- decode: the tile straight from the packed records ------------------------------------
+ * With a few tokens, expanding a chunk into memory first costs more than the products (its
+ * stores are the bottleneck: ~15 GB/s of packed input against ~45 for the tile alone), so
+ * decode expands each vector in registers and uses it at once. The float steps are the
+ * tile kernels' own, in the same order, so prefill (expand + tile) and decode give a token
+ * the same result. */
+
+/* acc[t] = init + dot of groups g[0..G) (column groups k0..k0+G) with token t's activations */
+FORCE void group_dots(const __m512i *g, const int G, const int8_t *x, int k0, const int T,
+                      const int32_t *xc, __m512i *acc) {
+    const int C = CHAINS(T);
+    __m512i part[GEMM_T * 4];
+    for (int t = 0; t < T; t++)
+        for (int c = 0; c < C; c++)
+            part[t * C + c] = xc && c == 0 ? _mm512_set1_epi32(xc[t]) : _mm512_setzero_si512();
+    for (int i = 0; i < G; i++) {
+        const int c = i % C;
+        for (int t = 0; t < T; t++)
+            part[t * C + c] = dpbusd_bcast(part[t * C + c], g[i], x + 4 * ((int64_t)(k0 + i) * T + t));
+    }
+    for (int t = 0; t < T; t++) {
+        acc[t] = part[t * C];
+        for (int c = 1; c < C; c++) acc[t] = _mm512_add_epi32(acc[t], part[t * C + c]);
+    }
+}
+
+/* nibble vector v -> its two column groups; fifth bits from two masks where given */
+FORCE void split_nibbles(const uint8_t *p, __m512i *g) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i v = _mm512_loadu_si512(p);
+    g[0] = _mm512_and_si512(v, low4);
+    g[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+}
+
+/* Per-block types (Q8_0, Q5_0): as tile_blocks with the offset start. */
+FORCE void dtile_blocks(int qtype, const uint8_t *src, int nb, const int8_t *x, const int32_t *xc,
+                        const float *f1, float *out, int64_t ldo, __mmask16 keep, const int T) {
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    __m512 acc[GEMM_T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    const int64_t rec = packed_record_bytes(qtype);
+    for (int s = 0; s < nb; s++, src += rec) {
+        PREFETCH(src, rec);
+        __m512i g[8], dot[GEMM_T];
+        __m512 sc;
+        if (qtype == T_Q8_0) {
+            for (int i = 0; i < 8; i++) g[i] = _mm512_loadu_si512(src + 64 * i);
+            sc = f16x16(src + 512);
+        } else {
+            for (int i = 0; i < 4; i++) {
+                uint64_t m0, m1;
+                split_nibbles(src + 64 * i, g + 2 * i);
+                memcpy(&m0, src + 256 + 16 * i, 8);
+                memcpy(&m1, src + 256 + 16 * i + 8, 8);
+                g[2 * i] = _mm512_or_si512(g[2 * i], _mm512_maskz_mov_epi8(m0, bit4));
+                g[2 * i + 1] = _mm512_or_si512(g[2 * i + 1], _mm512_maskz_mov_epi8(m1, bit4));
+            }
+            sc = f16x16(src + 320);
+        }
+        group_dots(g, 8, x, 8 * s, T, xc + s * T, dot);
+        for (int t = 0; t < T; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]),
+                                     _mm512_mul_ps(sc, _mm512_set1_ps(f1[s * T + t])), acc[t]);
+    }
+    tile_store(out, ldo, keep, T, acc);
+}
+
+/* Q4_K: as tile_kquant (L = 32, minimums) */
+FORCE void dtile_q4k(const uint8_t *src, int nsb, const int8_t *x, const float *f1,
+                     const float *f2, float *out, int64_t ldo, __mmask16 keep, const int T) {
+    __m512 acc[GEMM_T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++, src += 2368) {
+        PREFETCH(src, 2368);
+        const uint8_t *sc8 = src + 2048, *mn8 = src + 2176;
+        const __m512 d = f16x16(src + 2304), dmin = f16x16(src + 2336);
+        __m512 sacc[GEMM_T];
+        for (int j = 0; j < 8; j++) {
+            const int s = sb * 8 + j;
+            __m512i g[8], dot[GEMM_T];
+            for (int i = 0; i < 4; i++) split_nibbles(src + 64 * (4 * j + i), g + 2 * i);
+            group_dots(g, 8, x, 8 * s, T, NULL, dot);
+            const __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                   _mm_loadu_si128((const __m128i *)(sc8 + 16 * j)))));
+            const __m512 mn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin,
+                                  _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                      _mm_loadu_si128((const __m128i *)(mn8 + 16 * j))))));
+            for (int t = 0; t < T; t++)
+                sacc[t] = j ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), sc, sacc[t])
+                            : _mm512_mul_ps(_mm512_cvtepi32_ps(dot[t]), sc);
+            for (int t = 0; t < T; t++)
+                sacc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(f2[s * T + t]), sacc[t]);
+        }
+        for (int t = 0; t < T; t++)
+            acc[t] = _mm512_fmadd_ps(sacc[t], _mm512_set1_ps(f1[sb * T + t]), acc[t]);
+    }
+    tile_store(out, ldo, keep, T, acc);
+}
+
+/* Q6_K: as tile_kquant (L = 16, offset 32) */
+FORCE void dtile_q6k(const uint8_t *src, int nsb, const int8_t *x, const int32_t *xc,
+                     const float *f1, float *out, int64_t ldo, __mmask16 keep, const int T) {
+    const __m512i top = _mm512_set1_epi8(0x30);
+    __m512 acc[GEMM_T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++, src += 3360) {
+        PREFETCH(src, 3360);
+        const __m512 d = f16x16(src + 3328);
+        __m512 sacc[GEMM_T];
+        for (int j = 0; j < 16; j++) {
+            const int s = sb * 16 + j;
+            const __m512i hb = _mm512_loadu_si512(src + 2048 + 64 * j);
+            __m512i g[4], dot[GEMM_T];
+            split_nibbles(src + 64 * (2 * j), g);
+            split_nibbles(src + 64 * (2 * j + 1), g + 2);
+            g[0] = _mm512_or_si512(g[0], _mm512_and_si512(_mm512_slli_epi16(hb, 4), top));
+            g[1] = _mm512_or_si512(g[1], _mm512_and_si512(_mm512_slli_epi16(hb, 2), top));
+            g[2] = _mm512_or_si512(g[2], _mm512_and_si512(hb, top));
+            g[3] = _mm512_or_si512(g[3], _mm512_and_si512(_mm512_srli_epi16(hb, 2), top));
+            group_dots(g, 4, x, 4 * s, T, xc + s * T, dot);
+            const __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                   _mm_loadu_si128((const __m128i *)(src + 3072 + 16 * j)))));
+            for (int t = 0; t < T; t++)
+                sacc[t] = j ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), sc, sacc[t])
+                            : _mm512_mul_ps(_mm512_cvtepi32_ps(dot[t]), sc);
+        }
+        for (int t = 0; t < T; t++)
+            acc[t] = _mm512_fmadd_ps(sacc[t], _mm512_set1_ps(f1[sb * T + t]), acc[t]);
+    }
+    tile_store(out, ldo, keep, T, acc);
+}
+
+FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, const int32_t *xc,
+                     const float *f1, const float *f2, float *out, int64_t ldo, __mmask16 keep,
+                     const int T) {
+    switch (qtype) {
+    case T_Q4_K: dtile_q4k(src, cols / 256, x, f1, f2, out, ldo, keep, T); break;
+    case T_Q6_K: dtile_q6k(src, cols / 256, x, xc, f1, out, ldo, keep, T); break;
+    default: dtile_blocks(qtype, src, cols / 32, x, xc, f1, out, ldo, keep, T); break;
+    }
+}
+
+/* one compiled body per tile length */
+static void dtile(int qtype, const uint8_t *src, int cols, const int8_t *x, const int32_t *xc,
+                  const float *f1, const float *f2, float *out, int64_t ldo, __mmask16 keep,
+                  int T) {
+    switch (T) {
+    case GEMM_T: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, GEMM_T); break;
+    case 4: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 4); break;
+    case 2: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 2); break;
+    default: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 1); break;
+    }
+}
+
+/* ---- the matmul on packed weights ------------------------------------------------------- */
+
+typedef struct {
+    int qtype, rows, cols, n;
+    form_t form;
+    const uint8_t *packed;
+    const gemm_acts_t *acts;
+    float *out;  /* (n, rows) */
+    int failed;
+} packed_job_t;
+
+/* Decode: each token tile straight from the chunk's records. */
+static void packed_chunk_decode(const void *ctx, int r0, int r1) {
+    const packed_job_t *j = (const packed_job_t *)ctx;
+    const gemm_acts_t *a = j->acts;
+    const int cols = j->cols, nb = cols / 32, ns = cols / j->form.L;
+    const uint8_t *src = j->packed + (int64_t)(r0 / CHUNK_ROWS) * packed_chunk_bytes(j->qtype, cols);
+    const __mmask16 keep = (__mmask16)((1u << (r1 - r0)) - 1);
+    for (int t0 = 0, T; t0 < j->n; t0 += T) {
+        T = tile_len(j->n - t0);
+        dtile(j->qtype, src, cols, a->x + (int64_t)t0 * cols, a->xc + (int64_t)t0 * ns,
+              a->f1 + (int64_t)t0 * nb, a->f2 + (int64_t)t0 * nb,
+              j->out + (int64_t)t0 * j->rows + r0, j->rows, keep, T);
+    }
+}
+
+/* Prefill: one chunk of 16 rows expanded once, then every token tile against it. */
+static void packed_chunk_rows(const void *ctx, int r0, int r1) {
+    packed_job_t *j = (packed_job_t *)ctx;
+    const gemm_acts_t *a = j->acts;
+    chunk_t *u = &tl_chunks[0];
+    if (!chunk_reserve(u, j->cols)) {
+        j->failed = 1;
+        return;
+    }
+    const int cols = j->cols, nb = cols / 32, ns = cols / j->form.L;
+    expand_chunk(j->qtype, j->packed + (int64_t)(r0 / CHUNK_ROWS) *
+                 packed_chunk_bytes(j->qtype, cols), cols, u);
+    const tile_fn tile = tile_for(j->form);
+    const int units = cols / (j->form.kq ? 256 : 32);
+    const __mmask16 keep = (__mmask16)((1u << (r1 - r0)) - 1);
+    for (int t0 = 0, T; t0 < j->n; t0 += T) {
+        T = tile_len(j->n - t0);
+        tile(u, a->x + (int64_t)t0 * cols, a->xc + (int64_t)t0 * ns, a->f1 + (int64_t)t0 * nb,
+             a->f2 + (int64_t)t0 * nb, units, j->out + (int64_t)t0 * j->rows + r0, j->rows,
+             keep, T);
+    }
+}
+
+/* up to this many tokens (a decode step, a speculative check) the tiles read the records
+ * directly; past it each chunk is expanded once for all the token tiles */
+#define PACKED_DECODE_MAX 8
+
+static int packed_mt(int qtype, const uint8_t *packed, int rows, int cols, const int8_t *xq,
+                     const float *xd, const int32_t *xs, int n, float *out, int nthreads) {
+    const form_t f = form_of(qtype);
+    gemm_acts_t a = {0};
+    if (!acts_init(&a, f, xq, xd, xs, n, cols)) {
+        acts_free(&a);
+        return -1;
+    }
+    packed_job_t j = {qtype, rows, cols, n, f, packed, &a, out, 0};
+    parallel_rows(n <= PACKED_DECODE_MAX ? packed_chunk_decode : packed_chunk_rows, &j, rows,
+                  nthreads);
+    acts_free(&a);
+    return j.failed ? -1 : 0;
+}
+
+/* out (n, rows) = w . x^T for packed weights (ek_pack), x (n, cols) f32 rounded to int8 as
+ * ek_matmul_f32 rounds it. Returns 0, -1 without memory, -2 for a type it does not take. */
+int ek_matmul_packed(int qtype, const uint8_t *packed, int rows, int cols, const float *x,
+                     int n, float *out, int nthreads) {
+    if (!ek_packed_bytes(qtype, rows, cols)) return -2;
+    int8_t *xq = malloc((size_t)n * cols);
+    float *xd = malloc(sizeof(float) * n * (cols / 32));
+    int32_t *xs = malloc(sizeof(int32_t) * n * (cols / 16));
+    int status = -1;
+    if (xq && xd && xs) {
+        if (is_kquant(qtype)) quantize_rows_q8k(x, n, cols, xq, xd, xs);
+        else quantize_rows(x, n, cols, xq, xd, xs);
+        status = packed_mt(qtype, packed, rows, cols, xq, xd, xs, n, out, nthreads);
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+    return status;
+}
+
+#else  /* AVX2 only: weights stay in the file's blocks */
+
+int64_t ek_packed_bytes(int qtype, int rows, int cols) {
+    (void)qtype; (void)rows; (void)cols;
+    return 0;
+}
+
+int ek_pack(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols, uint8_t *dst,
+            int nthreads) {
+    (void)qtype; (void)w; (void)row_bytes; (void)rows; (void)cols; (void)dst; (void)nthreads;
+    return -2;
+}
+
+int ek_matmul_packed(int qtype, const uint8_t *packed, int rows, int cols, const float *x,
+                     int n, float *out, int nthreads) {
+    (void)qtype; (void)packed; (void)rows; (void)cols; (void)x; (void)n; (void)out;
+    (void)nthreads;
+    return -2;
+}
+
+#endif
