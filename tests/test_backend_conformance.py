@@ -247,6 +247,25 @@ def test_prefill_gemm_ragged_tiles(qtype):
 
 
 @pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
+def test_packed_prefill_equals_decode(qtype):
+    """Packed weights: a token's output is bit-identical from a prefill-sized batch (each chunk
+    expanded once for the GEMM tiles) and from a single-token step (read straight from the
+    records), so a prompt and the tokens decoded after it see the same arithmetic."""
+    variants = [(name, b) for name, b in _c_kernel_variants() if name.endswith("-packed")]
+    if not variants:
+        pytest.skip("no build that packs weights here")
+    name, b = variants[0]
+    w = b.prepare(random_tensor(qtype, 77, 512, seed=4))
+    if getattr(w, "packed", None) is None:
+        pytest.skip(f"{qtype.name} is not packed")
+    x = np.random.default_rng(9).standard_normal((37, 512)).astype(np.float32)
+    x[5] *= 40.0
+    batch = b.matmul(x, w)
+    alone = np.concatenate([b.matmul(x[i:i + 1], w) for i in range(37)])
+    assert np.array_equal(batch.view(np.uint32), alone.view(np.uint32)), name
+
+
+@pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
 def test_prefill_matmul_in_every_c_kernel_variant(qtype):
     """A prefill-sized batch in each C build: the AVX-512 one takes the GEMM (every type), the
     AVX2 one (no GEMM) falls back to the mat-vec kernels."""
