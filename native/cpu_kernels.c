@@ -478,7 +478,9 @@ static void quantize_rows(const float *x, int n, int cols, int8_t *xq, float *xd
             const float *v = x + (int64_t)t * cols + 32 * b;
             int8_t *q = xq + (int64_t)t * cols + 32 * b;
             float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+            /* a compare, not fmaxf: libm's is a call into SSE code, which runs very slowly
+             * while the upper halves of the vector registers are dirty */
+            for (int i = 0; i < 32; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
             /* ggml's Q8_0 (x86 quantize_row_q8_0): q = round(x * (127 / amax)), the scale
              * amax / 127 kept as f16 */
             const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;

@@ -33,6 +33,9 @@ int ek_pack(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols, 
             int nthreads);
 int ek_matmul_packed(int qtype, const uint8_t *packed, int rows, int cols, const float *x,
                      int n, float *out, int nthreads);
+int ek_matmul_packed_multi(int count, const int *qtypes, const uint8_t *const *packed,
+                           const int *rows, int cols, const float *x, int n, float *out,
+                           int nthreads);
 void ek_rms_norm(const float *x, const float *w, float *out, int64_t rows, int d, float eps);
 void ek_rope(const float *x, const float *cos, const float *sin, float *out, int n, int heads,
              int hd, int neox);

@@ -464,6 +464,60 @@ int ek_matmul_packed(int qtype, const uint8_t *packed, int rows, int cols, const
     return status;
 }
 
+/* Several packed matrices of the same width against the same x in one job (decode's Q/K/V and
+ * gate/up): x rounded once per type, the threads woken once, the small K/V chunks shared out
+ * with Q's. Matrix i's (n, rows[i]) result is stored at out + n * (rows[0] + .. + rows[i-1]);
+ * each is bit-identical to its own ek_matmul_packed. Returns 0, -1 without memory, -2 for a
+ * type or size it does not take (n > PACKED_DECODE_MAX, count > MULTI_MAX). */
+typedef struct {
+    int count;
+    int first_chunk[MULTI_MAX + 1];
+    packed_job_t jobs[MULTI_MAX];
+} packed_multi_t;
+
+static void packed_multi_rows(const void *ctx, int r0, int r1) {
+    (void)r1;
+    const packed_multi_t *m = ctx;
+    const int c = r0 / CHUNK_ROWS;
+    int i = 0;
+    while (c >= m->first_chunk[i + 1]) i++;
+    const int lr0 = (c - m->first_chunk[i]) * CHUNK_ROWS, rows = m->jobs[i].rows;
+    packed_chunk_decode(&m->jobs[i], lr0, lr0 + CHUNK_ROWS < rows ? lr0 + CHUNK_ROWS : rows);
+}
+
+int ek_matmul_packed_multi(int count, const int *qtypes, const uint8_t *const *packed,
+                           const int *rows, int cols, const float *x, int n, float *out,
+                           int nthreads) {
+    if (count < 1 || count > MULTI_MAX || n < 1 || n > PACKED_DECODE_MAX) return -2;
+    for (int i = 0; i < count; i++)
+        if (!ek_packed_bytes(qtypes[i], rows[i], cols)) return -2;
+    int8_t *xq = malloc((size_t)n * cols);
+    float *xd = malloc(sizeof(float) * n * (cols / 32));
+    int32_t *xs = malloc(sizeof(int32_t) * n * (cols / 16));
+    gemm_acts_t acts[MULTI_MAX];
+    memset(acts, 0, sizeof acts);
+    int status = xq && xd && xs ? 0 : -1;
+    packed_multi_t m = {.count = count};
+    int64_t offset = 0;
+    for (int i = 0; i < count && status == 0; i++) {
+        const form_t f = form_of(qtypes[i]);
+        if (is_kquant(qtypes[i])) quantize_rows_q8k(x, n, cols, xq, xd, xs);
+        else quantize_rows(x, n, cols, xq, xd, xs);
+        if (!acts_init(&acts[i], f, xq, xd, xs, n, cols)) status = -1;
+        packed_job_t j = {qtypes[i], rows[i], cols, n, f, packed[i], &acts[i], out + offset, 0};
+        m.jobs[i] = j;
+        m.first_chunk[i + 1] = m.first_chunk[i] + (rows[i] + CHUNK_ROWS - 1) / CHUNK_ROWS;
+        offset += (int64_t)n * rows[i];
+    }
+    if (status == 0)
+        parallel_rows(packed_multi_rows, &m, m.first_chunk[count] * CHUNK_ROWS, nthreads);
+    for (int i = 0; i < count; i++) acts_free(&acts[i]);
+    free(xq);
+    free(xd);
+    free(xs);
+    return status;
+}
+
 #else  /* AVX2 only: weights stay in the file's blocks */
 
 int64_t ek_packed_bytes(int qtype, int rows, int cols) {
@@ -481,6 +535,14 @@ int ek_matmul_packed(int qtype, const uint8_t *packed, int rows, int cols, const
                      int n, float *out, int nthreads) {
     (void)qtype; (void)packed; (void)rows; (void)cols; (void)x; (void)n; (void)out;
     (void)nthreads;
+    return -2;
+}
+
+int ek_matmul_packed_multi(int count, const int *qtypes, const uint8_t *const *packed,
+                           const int *rows, int cols, const float *x, int n, float *out,
+                           int nthreads) {
+    (void)count; (void)qtypes; (void)packed; (void)rows; (void)cols; (void)x; (void)n;
+    (void)out; (void)nthreads;
     return -2;
 }
 

@@ -246,6 +246,24 @@ def test_prefill_gemm_ragged_tiles(qtype):
                           + 1e-4 * np.abs(want)), (rows, n)
 
 
+@pytest.mark.parametrize("n", [1, 3, 8, 12])
+def test_matmuls_equal_separate_matmuls(n):
+    """Q/K/V-style groups (mixed types, a bias) through the fused op: bit-identical to one
+    matmul each, in every C variant, packed or not."""
+    variants = _c_kernel_variants()
+    if not variants:
+        pytest.skip("no C kernels here")
+    tensors = [random_tensor(Q.Q4_K, 96, 512, seed=1), random_tensor(Q.Q4_K, 32, 512, seed=2),
+               random_tensor(Q.Q6_K, 32, 512, seed=3)]
+    x = np.random.default_rng(n).standard_normal((n, 512)).astype(np.float32)
+    bias = np.linspace(-1, 1, 32, dtype=np.float32)
+    for name, b in variants:
+        ws = [b.prepare(t) for t in tensors]
+        fused = b.matmuls(x, ws, (None, bias, None))
+        for got, w, bi in zip(fused, ws, (None, bias, None), strict=True):
+            assert np.array_equal(got, b.matmul(x, w, bi)), name
+
+
 @pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
 def test_packed_prefill_equals_decode(qtype):
     """Packed weights: a token's output is bit-identical from a prefill-sized batch (each chunk

@@ -81,6 +81,7 @@ class _FusedPlan:
 
     weights: tuple
     total_rows: int
+    packed: bool  # all packed (ek_matmul_packed_multi) or none (ek_matvec_multi)
     qtypes: object  # cffi int[]
     addresses: object  # cffi uint8_t *[]
     row_bytes: object  # cffi int64_t[]
@@ -252,11 +253,16 @@ class CpuBackend(NumpyBackend):
         plan = self._fused_plan(weights) if x.shape[0] <= MATVEC_MAX_TOKENS else None
         if plan is None:
             return super().matmuls(x, weights, biases)
-        n, ffi = x.shape[0], self.native.ffi
+        n, f = x.shape[0], self.native.ffi.from_buffer
         out = np.empty(n * plan.total_rows, dtype=np.float32)
-        status = self.native.lib.ek_matvec_multi(
-            len(weights), plan.qtypes, plan.addresses, plan.row_bytes, plan.rows, x.shape[1],
-            ffi.from_buffer("float[]", x), n, ffi.from_buffer("float[]", out), self.threads)
+        if plan.packed:
+            status = self.native.lib.ek_matmul_packed_multi(
+                len(weights), plan.qtypes, plan.addresses, plan.rows, x.shape[1],
+                f("float[]", x), n, f("float[]", out), self.threads)
+        else:
+            status = self.native.lib.ek_matvec_multi(
+                len(weights), plan.qtypes, plan.addresses, plan.row_bytes, plan.rows,
+                x.shape[1], f("float[]", x), n, f("float[]", out), self.threads)
         if status == -2:  # a type (or width) without C mat-vec kernels
             return super().matmuls(x, weights, biases)
         if status != 0:
@@ -276,14 +282,18 @@ class CpuBackend(NumpyBackend):
             return plan
         lib = self.native
         if (lib is None or not 1 < len(weights) <= 8
-                or not all(isinstance(w, QuantMatrix) and w.packed is None for w in weights)
-                or len({w.cols for w in weights}) != 1):
+                or not all(isinstance(w, QuantMatrix) for w in weights)
+                or len({w.cols for w in weights}) != 1
+                or len({w.packed is None for w in weights}) != 1):
             return None
         ffi = lib.ffi
+        packed = weights[0].packed is not None
         plan = _FusedPlan(
-            weights=tuple(weights), total_rows=sum(w.rows for w in weights),
+            weights=tuple(weights), total_rows=sum(w.rows for w in weights), packed=packed,
             qtypes=ffi.new("int[]", [int(w.qtype) for w in weights]),
-            addresses=ffi.new("uint8_t *[]", [ffi.cast("uint8_t *", w.address) for w in weights]),
+            addresses=ffi.new("uint8_t *[]", [
+                ffi.cast("uint8_t *", w.packed.ctypes.data if packed else w.address)
+                for w in weights]),
             row_bytes=ffi.new("int64_t[]", [w.data.strides[0] for w in weights]),
             rows=ffi.new("int[]", [w.rows for w in weights]))
         self._plans[key] = plan
