@@ -54,6 +54,7 @@
 #define GEMM_GROUP 4  /* chunks of rows per unit of work (gemm_unit) */
 #endif
 _Static_assert(CHUNK_ROWS == 16, "a chunk's rows fill the 16 int32 lanes of a zmm");
+_Static_assert(GEMM_T == 8, "the tile switches compile every length 1..8");
 
 /* How a type's weights meet the activations. */
 typedef struct {
@@ -75,11 +76,10 @@ static form_t form_of(int qtype) {
     }
 }
 
-/* Token tiles: GEMM_T tokens each, the rest in tiles of 4, 2, 1 (each size its own compiled
- * kernel, so a ragged batch runs no padding tokens). */
-static inline int tile_len(int left) {
-    return left >= GEMM_T ? GEMM_T : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-}
+/* Token tiles: GEMM_T tokens each, the rest in one tile (each size 1..GEMM_T its own compiled
+ * kernel, so a ragged batch runs no padding tokens, and a speculative check of up to GEMM_T
+ * tokens reads each weight once). */
+static inline int tile_len(int left) { return left >= GEMM_T ? GEMM_T : left; }
 
 /* ---- activations: all tokens, repacked once per call -------------------------------------
  * Token tile [t0, t0 + T) starts at t0 tokens' worth of each array; inside it
@@ -438,7 +438,11 @@ FORCE void tile_kquant(const chunk_t *u, const int8_t *x, const int32_t *xc, con
                      int T) {                                                                 \
         switch (T) {                                                                          \
         case GEMM_T: call(GEMM_T); break;                                                     \
+        case 7: call(7); break;                                                               \
+        case 6: call(6); break;                                                               \
+        case 5: call(5); break;                                                               \
         case 4: call(4); break;                                                               \
+        case 3: call(3); break;                                                               \
         case 2: call(2); break;                                                               \
         default: call(1); break;                                                              \
         }                                                                                     \

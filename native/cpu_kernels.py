@@ -36,6 +36,8 @@ int ek_matmul_packed(int qtype, const uint8_t *packed, int rows, int cols, const
 int ek_matmul_packed_multi(int count, const int *qtypes, const uint8_t *const *packed,
                            const int *rows, int cols, const float *x, int n, float *out,
                            int nthreads);
+int ek_packed_rows(int qtype, const uint8_t *packed, int rows, int cols, const int64_t *ids,
+                   int n, float *out);
 void ek_rms_norm(const float *x, const float *w, float *out, int64_t rows, int d, float eps);
 void ek_rope(const float *x, const float *cos, const float *sin, float *out, int n, int heads,
              int hd, int neox);

@@ -370,7 +370,11 @@ static void dtile(int qtype, const uint8_t *src, int cols, const int8_t *x, cons
                   int T) {
     switch (T) {
     case GEMM_T: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, GEMM_T); break;
+    case 7: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 7); break;
+    case 6: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 6); break;
+    case 5: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 5); break;
     case 4: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 4); break;
+    case 3: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 3); break;
     case 2: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 2); break;
     default: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 1); break;
     }
@@ -518,6 +522,52 @@ int ek_matmul_packed_multi(int count, const int *qtypes, const uint8_t *const *p
     return status;
 }
 
+/* ---- rows back out (embedding lookups from a tied output matrix) -------------------------
+ * out (n, cols) f32 = rows ids of the packed matrix, dequantized with gguf-py's arithmetic
+ * (d * q; Q4_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32)), so a tied embedding needs
+ * no file pages of its own. Returns 0, or -2 for a type it does not pack. */
+static float packed_value(int qtype, const uint8_t *rec, int lane, int c) {
+    const int g = c / 4, j = c % 4, at = 4 * lane + j;
+    if (qtype == T_Q8_0)
+        return _cvtsh_ss(((const uint16_t *)(rec + 512))[lane]) *
+               (float)(int8_t)(rec[64 * g + at] ^ 0x80);
+    const uint8_t byte = rec[64 * (g / 2) + at];
+    int q = g % 2 ? byte >> 4 : byte & 0x0F;
+    if (qtype == T_Q5_0) {
+        uint64_t bits;
+        memcpy(&bits, rec + 256 + 8 * g, 8);
+        q |= (int)((bits >> at) & 1) << 4;
+        return _cvtsh_ss(((const uint16_t *)(rec + 320))[lane]) * (float)(q - 16);
+    }
+    if (qtype == T_Q4_K) {
+        const int sub = c / 32;
+        const float d = _cvtsh_ss(((const uint16_t *)(rec + 2304))[lane]);
+        const float dmin = _cvtsh_ss(((const uint16_t *)(rec + 2336))[lane]);
+        return d * (float)rec[2048 + 16 * sub + lane] * (float)q -
+               dmin * (float)rec[2176 + 16 * sub + lane];
+    }
+    /* Q6_K */
+    q |= ((rec[2048 + 64 * (g / 4) + at] >> (2 * (g % 4))) & 3) << 4;
+    const float d = _cvtsh_ss(((const uint16_t *)(rec + 3328))[lane]);
+    return d * (float)(int8_t)rec[3072 + 16 * (c / 16) + lane] * (float)(q - 32);
+}
+
+int ek_packed_rows(int qtype, const uint8_t *packed, int rows, int cols, const int64_t *ids,
+                   int n, float *out) {
+    if (!ek_packed_bytes(qtype, rows, cols)) return -2;
+    const int rc = packed_record_cols(qtype);
+    const int64_t rec_bytes = packed_record_bytes(qtype), chunk = packed_chunk_bytes(qtype, cols);
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= rows) return -1;
+        const uint8_t *base = packed + ids[i] / CHUNK_ROWS * chunk;
+        const int lane = (int)(ids[i] % CHUNK_ROWS);
+        for (int c = 0; c < cols; c++)
+            out[(int64_t)i * cols + c] = packed_value(qtype, base + c / rc * rec_bytes, lane,
+                                                      c % rc);
+    }
+    return 0;
+}
+
 #else  /* AVX2 only: weights stay in the file's blocks */
 
 int64_t ek_packed_bytes(int qtype, int rows, int cols) {
@@ -535,6 +585,12 @@ int ek_matmul_packed(int qtype, const uint8_t *packed, int rows, int cols, const
                      int n, float *out, int nthreads) {
     (void)qtype; (void)packed; (void)rows; (void)cols; (void)x; (void)n; (void)out;
     (void)nthreads;
+    return -2;
+}
+
+int ek_packed_rows(int qtype, const uint8_t *packed, int rows, int cols, const int64_t *ids,
+                   int n, float *out) {
+    (void)qtype; (void)packed; (void)rows; (void)cols; (void)ids; (void)n; (void)out;
     return -2;
 }
 

@@ -90,6 +90,11 @@ class _FusedPlan:
     rows: object  # cffi int[]
 
 
+def _tensor_key(tensor: QTensor) -> tuple:
+    """Identifies a tensor's bytes (a tied output is the embedding's own tensor)."""
+    return (int(tensor.data.ctypes.data), tensor.data.shape, int(tensor.qtype))
+
+
 def release_file_pages(view: np.ndarray) -> None:
     """Drop this process's resident pages of a read-only file mapping under ``view`` (whole
     pages inside it only); a later read faults them back in from the page cache."""
@@ -164,16 +169,24 @@ class CpuBackend(NumpyBackend):
         self._pool: ThreadPoolExecutor | None = None  # prefill workers, started on first use
         self._plans: dict[tuple, _FusedPlan] = {}  # matmuls' C arguments per weight group
         self._rope_cache: dict[tuple, tuple] = {}  # (cos, sin, freq_factors) per step
+        self._embeddings: dict[tuple, object] = {}  # _tensor_key -> table (tied outputs)
 
     # -- weights -------------------------------------------------------------------------
     def prepare(self, tensor: QTensor):
-        weight = self.prepare_embedding(tensor)
-        if isinstance(weight, QuantMatrix) and self.packing:
+        # a tied output matrix is the embedding table already prepared: one packed copy
+        # serves the matmuls and the lookups
+        weight = self._embeddings.get(_tensor_key(tensor)) or self._file_blocks(tensor)
+        if isinstance(weight, QuantMatrix) and self.packing and weight.packed is None:
             weight.packed = self._pack(weight)
         return weight
 
     def prepare_embedding(self, tensor: QTensor):
         """The file's blocks, zero copy (lookups read only the rows they need)."""
+        table = self._file_blocks(tensor)
+        self._embeddings[_tensor_key(tensor)] = table  # prepare() packs it if it is tied
+        return table
+
+    def _file_blocks(self, tensor: QTensor):
         if tensor.qtype not in QUANTIZED:  # F32 / F16 / BF16: small or rare, kept as f32
             return np.ascontiguousarray(tensor.dequantize(), dtype=np.float32)
         rows, cols = int(np.prod(tensor.shape[:-1])), int(tensor.shape[-1])
@@ -206,9 +219,19 @@ class CpuBackend(NumpyBackend):
 
     # -- ops -----------------------------------------------------------------------------
     def embed(self, table, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         if not isinstance(table, QuantMatrix):
             return np.asarray(table[ids], dtype=np.float32)
+        if self.native is not None and table.packed is not None:  # a tied, packed output
+            out = np.empty((len(ids), table.cols), dtype=np.float32)  # (n, d)
+            f = self.native.ffi.from_buffer
+            status = self.native.lib.ek_packed_rows(int(table.qtype), f("uint8_t[]", table.packed),
+                                                    table.rows, table.cols,
+                                                    f("int64_t[]", ids), len(ids),
+                                                    f("float[]", out))
+            if status != 0:
+                raise IndexError(f"token id out of range 0..{table.rows - 1}")
+            return out
         if self.native is not None:  # gguf-py's numpy dequantizer: exact, and no Numba
             return dequantize(table.data[ids], table.qtype)  # (n, d)
         out = np.empty((len(ids), table.cols), dtype=np.float32)  # (n, d)
