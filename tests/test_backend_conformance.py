@@ -246,6 +246,20 @@ def test_prefill_gemm_ragged_tiles(qtype):
                           + 1e-4 * np.abs(want)), (rows, n)
 
 
+@pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
+def test_tied_embedding_lookups(qtype):
+    """A table prepared as the embedding and then as the (tied) output matrix: lookups give
+    the numpy dequantizer's rows exactly, packed or not, and the output multiplies as its own."""
+    for name, b in _c_kernel_variants():
+        tensor = random_tensor(qtype, 45, 512, seed=7)
+        table = b.prepare_embedding(tensor)
+        output = b.prepare(tensor)
+        ids = np.array([0, 44, 17, 16, 15, 17])
+        want = dequantize(tensor.data[ids], qtype).reshape(len(ids), 512)
+        assert np.array_equal(b.embed(table, ids), want), name
+        assert np.array_equal(b.embed(output, ids), want), name
+
+
 @pytest.mark.parametrize("n", [1, 3, 8, 12])
 def test_matmuls_equal_separate_matmuls(n):
     """Q/K/V-style groups (mixed types, a bias) through the fused op: bit-identical to one

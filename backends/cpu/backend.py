@@ -175,7 +175,9 @@ class CpuBackend(NumpyBackend):
     def prepare(self, tensor: QTensor):
         # a tied output matrix is the embedding table already prepared: one packed copy
         # serves the matmuls and the lookups
-        weight = self._embeddings.get(_tensor_key(tensor)) or self._file_blocks(tensor)
+        weight = self._embeddings.get(_tensor_key(tensor))
+        if weight is None:
+            weight = self._file_blocks(tensor)
         if isinstance(weight, QuantMatrix) and self.packing and weight.packed is None:
             weight.packed = self._pack(weight)
         return weight
