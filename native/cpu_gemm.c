@@ -107,7 +107,7 @@ static void acts_token(form_t f, int cols, const int8_t *xq, const float *xd, co
     for (int k = 0; k < cols / 4; k++) memcpy(x + 4 * ((int64_t)k * T + t), xq + 4 * k, 4);
     for (int s = 0; s < cols / f.L; s++) {
         const int32_t sum = f.L == 16 ? xs[s] : xs[2 * s] + xs[2 * s + 1];
-        xc[(int64_t)s * T + t] = -f.off * sum;
+        xc[(int64_t)s * T + t] = f.min ? sum : -f.off * sum;  /* min types: the sum itself */
     }
     for (int b = 0; b < cols / 32; b++) {
         const int32_t sum = xs[2 * b] + xs[2 * b + 1];
@@ -139,13 +139,15 @@ static int acts_init(gemm_acts_t *a, form_t f, const int8_t *xq, const float *xd
 
 /* ---- weights: one chunk of rows, unpacked per thread -------------------------------------
  *   q:     (cols / 4, 16, 4) unsigned bytes, rows in lanes
- *   scale: (cols / L, 16) f32      minv: (cols / 32, 16) f32 (min types) */
+ *   per-block types: scale (cols / 32, 16) f32 d, minv (cols / 32, 16) f32 m (Q4_1, Q5_1)
+ *   K-quants: scale (cols / L, 16) int32 sub-block scales, minv (cols / 32, 16) int32
+ *             minimums (Q4_K, Q5_K), dd (cols / 256, 2, 16) f32 d and dmin per superblock */
 #define SPAN 256  /* columns decoded per row before their transpose into q */
 
 typedef struct {
     uint8_t *q;
     uint8_t *tmp;  /* (16, SPAN): each row's q of one span in column order */
-    float *scale, *minv;
+    float *scale, *minv, *dd;
     size_t cap;    /* columns the buffers hold */
 } chunk_t;
 
@@ -157,12 +159,14 @@ static int chunk_reserve(chunk_t *u, int cols) {
     free(u->tmp);
     free(u->scale);
     free(u->minv);
+    free(u->dd);
     /* 64-byte aligned: every zmm load of a chunk is one cache line; q whole 64-column pieces */
     u->q = aligned_alloc(64, (size_t)CHUNK_ROWS * ((cols + 63) / 64 * 64));
     u->tmp = aligned_alloc(64, (size_t)CHUNK_ROWS * SPAN);
     u->scale = aligned_alloc(64, sizeof(float) * cols);  /* 16 lanes x cols / 16 at most */
     u->minv = aligned_alloc(64, sizeof(float) * cols / 2);
-    u->cap = u->q && u->tmp && u->scale && u->minv ? (size_t)cols : 0;
+    u->dd = aligned_alloc(64, sizeof(float) * ((cols + 255) / 256) * 32);
+    u->cap = u->q && u->tmp && u->scale && u->minv && u->dd ? (size_t)cols : 0;
     return u->cap != 0;
 }
 
@@ -195,7 +199,8 @@ static void decode_q4_q5(const uint8_t *w, int nb, int one, int five, uint8_t *q
 
 /* Q4_K / Q5_K: 32 bytes of qs per 64 elements (low nibbles first); Q5_K's fifth bits are
  * bits 2j (first 32) and 2j + 1 (second 32) of qh[0..31]. */
-static void decode_qk(const uint8_t *w, int nsb, int five, uint8_t *q, float *sc, float *mn) {
+static void decode_qk(const uint8_t *w, int nsb, int five, uint8_t *q, int32_t *sc, int32_t *mn,
+                      float *dd) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     for (int sb = 0; sb < nsb; sb++, w += five ? 176 : 144, q += 256) {
         const float d = f16(w), dmin = f16(w + 2);
@@ -217,15 +222,17 @@ static void decode_qk(const uint8_t *w, int nsb, int five, uint8_t *q, float *sc
             _mm256_storeu_si256((__m256i *)(q + 64 * j + 32), hi);
         }
         for (int j = 0; j < 8; j++) {
-            sc[16 * (8 * sb + j)] = d * s[j];
-            mn[16 * (8 * sb + j)] = -dmin * m[j];
+            sc[16 * (8 * sb + j)] = s[j];
+            mn[16 * (8 * sb + j)] = m[j];
         }
+        dd[32 * sb] = d;
+        dd[32 * sb + 16] = dmin;
     }
 }
 
 /* Q6_K: per 128 elements, ql[0..63] and qh[0..31]: element 32i + l takes a nibble of
  * ql[l + 32 (i & 1)] (low for i < 2) and bits 2i, 2i + 1 of qh[l]; scales are int8 per 16. */
-static void decode_q6k(const uint8_t *w, int nsb, uint8_t *q, float *sc) {
+static void decode_q6k(const uint8_t *w, int nsb, uint8_t *q, int32_t *sc, float *dd) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     for (int sb = 0; sb < nsb; sb++, w += 210, q += 256) {
         const float d = f16(w + 208);
@@ -246,7 +253,8 @@ static void decode_q6k(const uint8_t *w, int nsb, uint8_t *q, float *sc) {
             for (int i = 0; i < 4; i++)
                 _mm256_storeu_si256((__m256i *)(q + 128 * h + 32 * i), v[i]);
         }
-        for (int j = 0; j < 16; j++) sc[16 * (16 * sb + j)] = d * (float)(int8_t)w[192 + j];
+        for (int j = 0; j < 16; j++) sc[16 * (16 * sb + j)] = (int8_t)w[192 + j];
+        dd[32 * sb] = d;
     }
 }
 
@@ -297,6 +305,7 @@ static void decode_span(int qtype, const uint8_t *w, int c0, int span, chunk_t *
     uint8_t *q = u->tmp + SPAN * lane;
     const int nb = span / 32, nsb = span / 256;
     float *sc32 = u->scale + 16 * (c0 / 32) + lane, *mn32 = u->minv + 16 * (c0 / 32) + lane;
+    float *dd = u->dd + 32 * (c0 / 256) + lane;
     w += (int64_t)c0 / SPAN * span_bytes(qtype);
     switch (qtype) {
     case T_Q8_0: decode_q8_0(w, nb, q, sc32); break;
@@ -304,9 +313,9 @@ static void decode_span(int qtype, const uint8_t *w, int c0, int span, chunk_t *
     case T_Q4_1: decode_q4_q5(w, nb, 1, 0, q, sc32, mn32); break;
     case T_Q5_0: decode_q4_q5(w, nb, 0, 1, q, sc32, mn32); break;
     case T_Q5_1: decode_q4_q5(w, nb, 1, 1, q, sc32, mn32); break;
-    case T_Q4_K: decode_qk(w, nsb, 0, q, sc32, mn32); break;
-    case T_Q5_K: decode_qk(w, nsb, 1, q, sc32, mn32); break;
-    case T_Q6_K: decode_q6k(w, nsb, q, u->scale + 16 * (c0 / 16) + lane); break;
+    case T_Q4_K: decode_qk(w, nsb, 0, q, (int32_t *)sc32, (int32_t *)mn32, dd); break;
+    case T_Q5_K: decode_qk(w, nsb, 1, q, (int32_t *)sc32, (int32_t *)mn32, dd); break;
+    case T_Q6_K: decode_q6k(w, nsb, q, (int32_t *)u->scale + 16 * (c0 / 16) + lane, dd); break;
     }
 }
 
@@ -318,6 +327,7 @@ static void unpack_chunk(int qtype, const uint8_t *w, int64_t row_bytes, int nr,
         memset(u->tmp, 0, (size_t)CHUNK_ROWS * SPAN);
         memset(u->scale, 0, sizeof(float) * cols);
         memset(u->minv, 0, sizeof(float) * cols / 2);
+        memset(u->dd, 0, sizeof(float) * ((cols + 255) / 256) * 32);
     }
     const int sbytes = span_bytes(qtype);
     for (int c0 = 0; c0 < cols; c0 += SPAN) {
@@ -401,32 +411,45 @@ FORCE void tile_blocks(const chunk_t *u, const int8_t *x, const int32_t *xc, con
     tile_store(out, ldo, keep, T, acc);
 }
 
-/* K-quants (an xd per 256 columns): nsb superblocks, the sub-blocks of each summed without
- * xd, then scaled once. */
+/* K-quants (an xd per 256 columns), as llama.cpp sums them: each sub-block's integer dot times
+ * its integer scale, and the minimums times the activation sums, accumulated exactly in int32
+ * over the superblock; only then are they scaled, by d xd and dmin xd. */
+FORCE void kquant_fold(const __m512 d, const __m512 dmin, const float *f1, const int T,
+                       const int min, const __m512i *isum, const __m512i *imin, __m512 *acc) {
+    for (int t = 0; t < T; t++) {
+        const __m512 xd = _mm512_set1_ps(f1[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, xd), acc[t]);
+        if (min)
+            acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[t]), _mm512_mul_ps(dmin, xd), acc[t]);
+    }
+}
+
 FORCE void tile_kquant(const chunk_t *u, const int8_t *x, const int32_t *xc, const float *f1,
                        const float *f2, int nsb, float *out, int64_t ldo, __mmask16 keep,
                        const int T, const int L, const int min) {
+    (void)f2;
     const int G = 256 / L;  /* sub-blocks per superblock */
     __m512 acc[GEMM_T];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
-        __m512 sacc[GEMM_T];
+        __m512i isum[GEMM_T], imin[GEMM_T];
+        for (int t = 0; t < T; t++) isum[t] = imin[t] = _mm512_setzero_si512();
         for (int j = 0; j < G; j++) {
             const int s = sb * G + j;
             __m512i dot[GEMM_T];
             sub_dots(u->q, x, xc + s * T, s * (L / 4), L, T, !min, dot);
-            const __m512 sc = _mm512_load_ps(u->scale + 16 * s);
+            const __m512i sc = _mm512_load_si512(u->scale + 16 * s);
             for (int t = 0; t < T; t++)
-                sacc[t] = j ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), sc, sacc[t])
-                            : _mm512_mul_ps(_mm512_cvtepi32_ps(dot[t]), sc);
+                isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dot[t], sc));
             if (min) {
-                const __m512 mn = _mm512_load_ps(u->minv + 16 * s);
+                const __m512i mn = _mm512_load_si512(u->minv + 16 * s);
                 for (int t = 0; t < T; t++)
-                    sacc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(f2[s * T + t]), sacc[t]);
+                    imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(
+                                                            _mm512_set1_epi32(xc[s * T + t]), mn));
             }
         }
-        for (int t = 0; t < T; t++)
-            acc[t] = _mm512_fmadd_ps(sacc[t], _mm512_set1_ps(f1[sb * T + t]), acc[t]);
+        kquant_fold(_mm512_load_ps(u->dd + 32 * sb), _mm512_load_ps(u->dd + 32 * sb + 16),
+                    f1 + sb * T, T, min, isum, imin, acc);
     }
     tile_store(out, ldo, keep, T, acc);
 }

@@ -895,25 +895,28 @@ static void gelu_tanh_mul(const float *gate, const float *up, float *out, int64_
     }
 }
 
-/* out = x / sqrt(mean(x^2) + eps) * w, row by row: x, out (rows, d) f32, w (d,). */
+/* out = x / sqrt(mean(x^2) + eps) * w, row by row: x, out (rows, d) f32, w (d,). As ggml: the
+ * squares in f32, summed in f64, the mean rounded to f32, then (x * scale) * w. */
 void ek_rms_norm(const float *x, const float *w, float *out, int64_t rows, int d, float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * d;
         float *o = out + r * d;
-        __m256 s8 = _mm256_setzero_ps();
+        __m256d s4 = _mm256_setzero_pd();
         int i = 0;
-        for (; i + 8 <= d; i += 8) {
-            const __m256 v = _mm256_loadu_ps(xr + i);
-            s8 = _mm256_fmadd_ps(v, v, s8);
+        for (; i + 4 <= d; i += 4) {
+            const __m128 v = _mm_loadu_ps(xr + i);
+            s4 = _mm256_add_pd(s4, _mm256_cvtps_pd(_mm_mul_ps(v, v)));
         }
-        float ss = hsum8(s8);
-        for (; i < d; i++) ss += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
-        const __m256 iv = _mm256_set1_ps(inv);
+        __m128d h = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+        double ss = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+        for (; i < d; i++) ss += (double)(xr[i] * xr[i]);
+        const float mean = (float)(ss / d);
+        const float scale = 1.0f / sqrtf(mean + eps);
+        const __m256 iv = _mm256_set1_ps(scale);
         for (i = 0; i + 8 <= d; i += 8)
             _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), iv),
                                                   _mm256_loadu_ps(w + i)));
-        for (; i < d; i++) o[i] = xr[i] * inv * w[i];
+        for (; i < d; i++) o[i] = xr[i] * scale * w[i];
     }
 }
 
@@ -1045,7 +1048,8 @@ static void group_scores(const attn_job_t *a, const float *q, int kh, int G, con
     }
 }
 
-/* scores (T,) -> e^(s - max) in place (0 where masked, -inf); returns their sum. */
+/* scores (T,) -> e^(s - max) in place (0 where masked, -inf); returns their sum (in f64, as
+ * ggml's softmax sums). */
 static float softmax_numerators(float *scores, int T) {
     float best = -INFINITY;
     for (int j = 0; j < T; j++) best = scores[j] > best ? scores[j] : best;
@@ -1053,16 +1057,8 @@ static float softmax_numerators(float *scores, int T) {
         for (int j = 0; j < T; j++) scores[j] = 0.0f;
         return 0.0f;
     }
-    const __m256 b8 = _mm256_set1_ps(best);
-    __m256 sum8 = _mm256_setzero_ps();
-    int j = 0;
-    for (; j + 8 <= T; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), b8));
-        _mm256_storeu_ps(scores + j, e);
-        sum8 = _mm256_add_ps(sum8, e);
-    }
-    float total = hsum8(sum8);
-    for (; j < T; j++) {
+    float total = 0.0f;
+    for (int j = 0; j < T; j++) {
         scores[j] = scores[j] == -INFINITY ? 0.0f : expf(scores[j] - best);
         total += scores[j];
     }

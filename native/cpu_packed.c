@@ -200,24 +200,20 @@ static void expand_chunk(int qtype, const uint8_t *src, int cols, chunk_t *u) {
                     store_group(u, g + k, _mm512_or_si512(load_group(u, g + k),
                                                           _mm512_and_si512(add[k], top)));
             }
-            const __m512 d = f16x16(src + 3328);
-            for (int j = 0; j < 16; j++) {
-                const __m512 s = _mm512_cvtepi32_ps(
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * j))));
-                _mm512_store_ps(u->scale + 16 * (c0 / 16 + j), _mm512_mul_ps(d, s));
-            }
+            for (int j = 0; j < 16; j++)
+                _mm512_store_si512(u->scale + 16 * (c0 / 16 + j), _mm512_cvtepi8_epi32(
+                                       _mm_loadu_si128((const __m128i *)(sc + 16 * j))));
+            _mm512_store_ps(u->dd + 32 * (c0 / 256), f16x16(src + 3328));
         } else {  /* Q4_K */
             const uint8_t *sc = src + 2048, *mn = src + 2176;
-            const __m512 d = f16x16(src + 2304), dmin = f16x16(src + 2336);
             for (int j = 0; j < 8; j++) {
-                const __m512 s = _mm512_cvtepi32_ps(
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * j))));
-                const __m512 m = _mm512_cvtepi32_ps(
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + 16 * j))));
-                _mm512_store_ps(u->scale + 16 * (c0 / 32 + j), _mm512_mul_ps(d, s));
-                _mm512_store_ps(u->minv + 16 * (c0 / 32 + j),
-                                _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, m)));
+                _mm512_store_si512(u->scale + 16 * (c0 / 32 + j), _mm512_cvtepu8_epi32(
+                                       _mm_loadu_si128((const __m128i *)(sc + 16 * j))));
+                _mm512_store_si512(u->minv + 16 * (c0 / 32 + j), _mm512_cvtepu8_epi32(
+                                       _mm_loadu_si128((const __m128i *)(mn + 16 * j))));
             }
+            _mm512_store_ps(u->dd + 32 * (c0 / 256), f16x16(src + 2304));
+            _mm512_store_ps(u->dd + 32 * (c0 / 256) + 16, f16x16(src + 2336));
         }
     }
 }
@@ -289,34 +285,30 @@ FORCE void dtile_blocks(int qtype, const uint8_t *src, int nb, const int8_t *x, 
     tile_store(out, ldo, keep, T, acc);
 }
 
-/* Q4_K: as tile_kquant (L = 32, minimums) */
-FORCE void dtile_q4k(const uint8_t *src, int nsb, const int8_t *x, const float *f1,
-                     const float *f2, float *out, int64_t ldo, __mmask16 keep, const int T) {
+/* Q4_K: as tile_kquant (L = 32, minimums; xc holds the activation sums) */
+FORCE void dtile_q4k(const uint8_t *src, int nsb, const int8_t *x, const int32_t *xc,
+                     const float *f1, float *out, int64_t ldo, __mmask16 keep, const int T) {
     __m512 acc[GEMM_T];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int sb = 0; sb < nsb; sb++, src += 2368) {
         PREFETCH(src, 2368);
         const uint8_t *sc8 = src + 2048, *mn8 = src + 2176;
-        const __m512 d = f16x16(src + 2304), dmin = f16x16(src + 2336);
-        __m512 sacc[GEMM_T];
+        __m512i isum[GEMM_T], imin[GEMM_T];
+        for (int t = 0; t < T; t++) isum[t] = imin[t] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
             const int s = sb * 8 + j;
             __m512i g[8], dot[GEMM_T];
             for (int i = 0; i < 4; i++) split_nibbles(src + 64 * (4 * j + i), g + 2 * i);
             group_dots(g, 8, x, 8 * s, T, NULL, dot);
-            const __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                                   _mm_loadu_si128((const __m128i *)(sc8 + 16 * j)))));
-            const __m512 mn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin,
-                                  _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                      _mm_loadu_si128((const __m128i *)(mn8 + 16 * j))))));
-            for (int t = 0; t < T; t++)
-                sacc[t] = j ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), sc, sacc[t])
-                            : _mm512_mul_ps(_mm512_cvtepi32_ps(dot[t]), sc);
-            for (int t = 0; t < T; t++)
-                sacc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(f2[s * T + t]), sacc[t]);
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc8 + 16 * j)));
+            const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn8 + 16 * j)));
+            for (int t = 0; t < T; t++) {
+                isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dot[t], sc));
+                imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(
+                                                        _mm512_set1_epi32(xc[s * T + t]), mn));
+            }
         }
-        for (int t = 0; t < T; t++)
-            acc[t] = _mm512_fmadd_ps(sacc[t], _mm512_set1_ps(f1[sb * T + t]), acc[t]);
+        kquant_fold(f16x16(src + 2304), f16x16(src + 2336), f1 + sb * T, T, 1, isum, imin, acc);
     }
     tile_store(out, ldo, keep, T, acc);
 }
@@ -329,8 +321,8 @@ FORCE void dtile_q6k(const uint8_t *src, int nsb, const int8_t *x, const int32_t
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int sb = 0; sb < nsb; sb++, src += 3360) {
         PREFETCH(src, 3360);
-        const __m512 d = f16x16(src + 3328);
-        __m512 sacc[GEMM_T];
+        __m512i isum[GEMM_T];
+        for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
         for (int j = 0; j < 16; j++) {
             const int s = sb * 16 + j;
             const __m512i hb = _mm512_loadu_si512(src + 2048 + 64 * j);
@@ -342,14 +334,12 @@ FORCE void dtile_q6k(const uint8_t *src, int nsb, const int8_t *x, const int32_t
             g[2] = _mm512_or_si512(g[2], _mm512_and_si512(hb, top));
             g[3] = _mm512_or_si512(g[3], _mm512_and_si512(_mm512_srli_epi16(hb, 2), top));
             group_dots(g, 4, x, 4 * s, T, xc + s * T, dot);
-            const __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                   _mm_loadu_si128((const __m128i *)(src + 3072 + 16 * j)))));
+            const __m512i sc = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(src + 3072 + 16 * j)));
             for (int t = 0; t < T; t++)
-                sacc[t] = j ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), sc, sacc[t])
-                            : _mm512_mul_ps(_mm512_cvtepi32_ps(dot[t]), sc);
+                isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dot[t], sc));
         }
-        for (int t = 0; t < T; t++)
-            acc[t] = _mm512_fmadd_ps(sacc[t], _mm512_set1_ps(f1[sb * T + t]), acc[t]);
+        kquant_fold(f16x16(src + 3328), _mm512_setzero_ps(), f1 + sb * T, T, 0, isum, isum, acc);
     }
     tile_store(out, ldo, keep, T, acc);
 }
@@ -357,8 +347,9 @@ FORCE void dtile_q6k(const uint8_t *src, int nsb, const int8_t *x, const int32_t
 FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, const int32_t *xc,
                      const float *f1, const float *f2, float *out, int64_t ldo, __mmask16 keep,
                      const int T) {
+    (void)f2;  /* the per-block minimum types are not packed */
     switch (qtype) {
-    case T_Q4_K: dtile_q4k(src, cols / 256, x, f1, f2, out, ldo, keep, T); break;
+    case T_Q4_K: dtile_q4k(src, cols / 256, x, xc, f1, out, ldo, keep, T); break;
     case T_Q6_K: dtile_q6k(src, cols / 256, x, xc, f1, out, ldo, keep, T); break;
     default: dtile_blocks(qtype, src, cols / 32, x, xc, f1, out, ldo, keep, T); break;
     }
