@@ -24,10 +24,10 @@ from edgellm.cache import (
 from edgellm.config import ModelArgs
 from edgellm.converters.gguf_reader import QTensor
 
-#: prompt tokens per forward pass: bounds prefill's activations whatever the prompt's length
-#: (0.5B, 512 tokens: the peak RSS of the prefill went from 572 to under the 558 MiB of loading)
-#: while the matrix work stays large enough to run at full speed (pp512 unchanged, ~205 t/s)
-PREFILL_CHUNK = 256
+#: prompt tokens per forward pass: bounds prefill's activations whatever the prompt's length.
+#: 256 lowered the 0.5B's 512-token peak RSS from 572 MiB to its 558 MiB load peak, but cost
+#: the 1.5B 7-10% of its pp512 (each slice expands every weight again), so 512
+PREFILL_CHUNK = 512
 
 
 @dataclass
