@@ -339,8 +339,8 @@ class DraftLengthController:
     """
 
     def __init__(self, fixed: int | None = None, max_k: int = 7, initial_k: int = 3,
-                 acceptance_prior: float = 0.85, draft_cost_prior: float = 0.35,
-                 smoothing: float = 0.05, probe_every: int = 16):
+                 acceptance_prior: float = 0.7, draft_cost_prior: float = 0.35,
+                 smoothing: float = 0.1, probe_every: int = 16):
         if fixed is not None and fixed < 0:
             raise ValueError(f"draft length must be >= 0, got {fixed}")
         self.fixed, self.max_k, self.initial_k = fixed, max_k, initial_k
