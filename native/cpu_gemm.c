@@ -583,20 +583,12 @@ static int gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int
 int ek_matmul_f32(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
                   const float *x, int n, float *out, int nthreads, int gemm_min) {
     if (!ek_supports(qtype) || cols % 32) return -2;
-    int8_t *xq = malloc((size_t)n * cols);
-    float *xd = malloc(sizeof(float) * n * (cols / 32));
-    int32_t *xs = malloc(sizeof(int32_t) * n * (cols / 16));
-    int status = -1;
-    if (xq && xd && xs) {
-        if (is_kquant(qtype)) quantize_rows_q8k(x, n, cols, xq, xd, xs);
-        else quantize_rows(x, n, cols, xq, xd, xs);
-        status = n > gemm_min ? gemm_mt(qtype, w, row_bytes, rows, cols, xq, xd, xs, n, out,
-                                        nthreads) : -2;
-        if (status == -2)
-            status = matvec_mt(qtype, w, row_bytes, rows, cols, xq, xd, xs, n, out, nthreads);
-    }
-    free(xq);
-    free(xd);
-    free(xs);
+    acts8_t a;
+    if (!acts8_round(&a, qtype, x, n, cols)) return -1;
+    int status = n > gemm_min ? gemm_mt(qtype, w, row_bytes, rows, cols, a.xq, a.xd, a.xs, n,
+                                        out, nthreads) : -2;
+    if (status == -2)
+        status = matvec_mt(qtype, w, row_bytes, rows, cols, a.xq, a.xd, a.xs, n, out, nthreads);
+    acts8_free(&a);
     return status;
 }

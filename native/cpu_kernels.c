@@ -763,6 +763,34 @@ static int matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, i
     return 0;
 }
 
+/* x (n, cols) f32 rounded to int8 as llama.cpp rounds activations against qtype: Q8_K (one
+ * scale per 256) for K-quants, else Q8_0 (per 32); the buffers every matmul entry point uses. */
+typedef struct {
+    int8_t *xq;   /* (n, cols) */
+    float *xd;    /* (n, cols / 32) */
+    int32_t *xs;  /* (n, cols / 16): sums of 16 */
+} acts8_t;
+
+static void acts8_free(acts8_t *a) {
+    free(a->xq);
+    free(a->xd);
+    free(a->xs);
+}
+
+/* Returns 1, or 0 without memory (a is then freed). */
+static int acts8_round(acts8_t *a, int qtype, const float *x, int n, int cols) {
+    a->xq = malloc((size_t)n * cols);
+    a->xd = malloc(sizeof(float) * n * (cols / 32));
+    a->xs = malloc(sizeof(int32_t) * n * (cols / 16));
+    if (!a->xq || !a->xd || !a->xs) {
+        acts8_free(a);
+        return 0;
+    }
+    if (is_kquant(qtype)) quantize_rows_q8k(x, n, cols, a->xq, a->xd, a->xs);
+    else quantize_rows(x, n, cols, a->xq, a->xd, a->xs);
+    return 1;
+}
+
 /* ---- several mat-vecs over the same input in one parallel job ------------------------------
  * Decode multiplies one activation row by Q, K and V (or gate and up) in turn. Done as one job,
  * the activations are rounded once per family (Q8_K for K-quants, Q8_0 for the rest), the

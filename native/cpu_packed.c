@@ -444,18 +444,10 @@ static int packed_mt(int qtype, const uint8_t *packed, int rows, int cols, const
 int ek_matmul_packed(int qtype, const uint8_t *packed, int rows, int cols, const float *x,
                      int n, float *out, int nthreads) {
     if (!ek_packed_bytes(qtype, rows, cols)) return -2;
-    int8_t *xq = malloc((size_t)n * cols);
-    float *xd = malloc(sizeof(float) * n * (cols / 32));
-    int32_t *xs = malloc(sizeof(int32_t) * n * (cols / 16));
-    int status = -1;
-    if (xq && xd && xs) {
-        if (is_kquant(qtype)) quantize_rows_q8k(x, n, cols, xq, xd, xs);
-        else quantize_rows(x, n, cols, xq, xd, xs);
-        status = packed_mt(qtype, packed, rows, cols, xq, xd, xs, n, out, nthreads);
-    }
-    free(xq);
-    free(xd);
-    free(xs);
+    acts8_t a;
+    if (!acts8_round(&a, qtype, x, n, cols)) return -1;
+    const int status = packed_mt(qtype, packed, rows, cols, a.xq, a.xd, a.xs, n, out, nthreads);
+    acts8_free(&a);
     return status;
 }
 
