@@ -89,7 +89,7 @@ static inline int tile_len(int left) { return left >= GEMM_T ? GEMM_T : left; }
  *   x:  (cols / 4, T, 4) int8     the T tokens' 4 activations of each column group
  *   xc: (cols / L, T) int32        -off * sum_s(xq): the offset types' integer start
  *   f1: per-block types (cols / 32, T) xd; K-quants (cols / 256, T) xd
- *   f2: (cols / 32, T) min types: per-block xd * sum_s(xq), K-quants sum_s(xq) as f32 */
+ *   f2: (cols / 32, T) per-block min types: xd * sum_s(xq) (K-quants take their sums from xc) */
 typedef struct {
     int8_t *x;
     int32_t *xc;
@@ -114,9 +114,12 @@ static void acts_token(form_t f, int cols, const int8_t *xq, const float *xd, co
     }
     for (int b = 0; b < cols / 32; b++) {
         const int32_t sum = xs[2 * b] + xs[2 * b + 1];
-        f2[(int64_t)b * T + t] = f.kq ? (float)sum : xd[b] * (float)sum;
-        if (!f.kq) f1[(int64_t)b * T + t] = xd[b];
-        else if (b % 8 == 0) f1[(int64_t)(b / 8) * T + t] = xd[b];
+        if (!f.kq) {
+            f1[(int64_t)b * T + t] = xd[b];
+            f2[(int64_t)b * T + t] = xd[b] * (float)sum;
+        } else if (b % 8 == 0) {
+            f1[(int64_t)(b / 8) * T + t] = xd[b];
+        }
     }
 }
 

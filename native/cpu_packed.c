@@ -478,20 +478,27 @@ int ek_matmul_packed_multi(int count, const int *qtypes, const uint8_t *const *p
     if (count < 1 || count > MULTI_MAX || n < 1 || n > PACKED_DECODE_MAX) return -2;
     for (int i = 0; i < count; i++)
         if (!ek_packed_bytes(qtypes[i], rows[i], cols)) return -2;
-    int8_t *xq = malloc((size_t)n * cols);
-    float *xd = malloc(sizeof(float) * n * (cols / 32));
-    int32_t *xs = malloc(sizeof(int32_t) * n * (cols / 16));
+    /* x rounded and laid out once per distinct type (Q and K usually share one) */
     gemm_acts_t acts[MULTI_MAX];
+    int owner[MULTI_MAX], status = 0;
     memset(acts, 0, sizeof acts);
-    int status = xq && xd && xs ? 0 : -1;
     packed_multi_t m = {.count = count};
     int64_t offset = 0;
     for (int i = 0; i < count && status == 0; i++) {
+        owner[i] = i;
+        for (int k = 0; k < i; k++)
+            if (qtypes[k] == qtypes[i]) owner[i] = owner[k];
         const form_t f = form_of(qtypes[i]);
-        if (is_kquant(qtypes[i])) quantize_rows_q8k(x, n, cols, xq, xd, xs);
-        else quantize_rows(x, n, cols, xq, xd, xs);
-        if (!acts_init(&acts[i], f, xq, xd, xs, n, cols)) status = -1;
-        packed_job_t j = {qtypes[i], rows[i], cols, n, f, packed[i], &acts[i], out + offset, 0};
+        if (owner[i] == i) {
+            acts8_t r;
+            if (!acts8_round(&r, qtypes[i], x, n, cols)) status = -1;
+            else {
+                if (!acts_init(&acts[i], f, r.xq, r.xd, r.xs, n, cols)) status = -1;
+                acts8_free(&r);
+            }
+        }
+        packed_job_t j = {qtypes[i], rows[i], cols, n, f, packed[i], &acts[owner[i]],
+                          out + offset, 0};
         m.jobs[i] = j;
         m.first_chunk[i + 1] = m.first_chunk[i] + (rows[i] + CHUNK_ROWS - 1) / CHUNK_ROWS;
         offset += (int64_t)n * rows[i];
@@ -499,9 +506,6 @@ int ek_matmul_packed_multi(int count, const int *qtypes, const uint8_t *const *p
     if (status == 0)
         parallel_rows(packed_multi_rows, &m, m.first_chunk[count] * CHUNK_ROWS, nthreads);
     for (int i = 0; i < count; i++) acts_free(&acts[i]);
-    free(xq);
-    free(xd);
-    free(xs);
     return status;
 }
 
