@@ -136,11 +136,12 @@ def test_attention(backend, n, T, window, softcap, kv_dtype, ring):
 
 @pytest.mark.parametrize("heads,kv_heads,hd", [(7, 1, 64), (12, 2, 128), (4, 1, 256),
                                                (3, 3, 32), (40, 2, 64)])
-def test_attention_head_layouts(backend, heads, kv_heads, hd):
+@pytest.mark.parametrize("n", [3, 37])
+def test_attention_head_layouts(backend, heads, kv_heads, hd, n):
     """Groups of query heads per KV head of every size the models use (and one past what a
-    kernel groups), over an f16 cache."""
+    kernel groups), over an f16 cache, as in decode and in a whole prompt."""
     rng = np.random.default_rng(heads)
-    n, T = 3, 37
+    T = 37
     q = rng.standard_normal((n, heads, hd)).astype(np.float32)
     k = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
     v = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)

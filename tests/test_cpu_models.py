@@ -23,7 +23,8 @@ NUMBA_ENTRIES = 2  # the slower portable kernels: margins only (too few position
 
 # Known shortfall (open): Gemma 3's decode path (C kernels) sits on the 97% line, 345..347/356
 # (96.9..97.5%) as summation orders change (343 rounding attention as llama.cpp's non-flash
-# path does), all misses at margins < 0.85; it is an xfail only when it falls below.
+# path does; 347 with flash-style attention), all misses at margins < 0.85; it is an xfail
+# only when it falls below.
 KNOWN_SHORT = {"gemma-3-270m": "C decode agrees at 96.9% on Gemma (< 97%), misses < 0.85"}
 
 pytestmark = pytest.mark.skipif("cpu" not in available_backends(), reason="no cpu backend")

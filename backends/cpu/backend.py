@@ -30,9 +30,10 @@ from .blas_threads import blas_threads
 #: up to this many tokens the Numba path runs its mat-vec kernels; above, tiles + BLAS. The C
 #: kernels take every batch: rows outer, tokens inner, each weight block read once.
 MATVEC_MAX_TOKENS = 8
-#: up to this many query tokens attention runs the Numba kernel; above, BLAS (reference)
+#: without C kernels: up to this many query tokens attention runs the Numba kernel; above,
+#: BLAS over blocks of queries (the C kernel takes every batch)
 ATTENTION_KERNEL_MAX_TOKENS = 16
-#: query x key products (per K or V pass) below which decode attention runs on one thread
+#: query x key products (per K or V pass) below which attention runs on one thread
 ATTENTION_THREADS_MIN_MACS = 1 << 20
 #: queries per block of prefill attention (each block reads only the keys its mask reaches)
 ATTENTION_QUERY_BLOCK = 128
@@ -421,18 +422,20 @@ class CpuBackend(NumpyBackend):
     def attention(self, q, k, v, mask, scale, softcap=0.0):
         if k.dtype not in (np.float16, np.float32):
             return super().attention(q, k, v, mask, scale, softcap)
-        if q.shape[0] > ATTENTION_KERNEL_MAX_TOKENS:
-            return self._attention_blocked(q, k, v, mask, scale, softcap)
         if self.native is not None and k.dtype == np.float16 and q.shape[-1] % 8 == 0:
             return self._attention_f16(q, k, v, mask, scale, softcap)
+        if q.shape[0] > ATTENTION_KERNEL_MAX_TOKENS:
+            return self._attention_blocked(q, k, v, mask, scale, softcap)
         if self.native is not None:  # an f32 cache, or an odd head size: rare, no Numba
             return super().attention(q, k, v, mask, scale, softcap)
         nops, nq = _numba()
         return nops.attention(q, k, v, mask, scale, softcap, nq.F16_TABLE)
 
     def _attention_f16(self, q, k, v, mask, scale, softcap):
-        """Decode attention over the f16 cache in C (F16C loads, f32 arithmetic), one unit of
-        work per token and KV head, on the kernels' threads."""
+        """Attention over the f16 cache in C (F16C loads, f32 arithmetic), flash style, one
+        unit of work per KV head and block of 16 tokens on the kernels' threads. A token's
+        result does not depend on the rest of the batch, so decode, speculative checks and
+        prompts agree."""
         q = np.ascontiguousarray(q, dtype=np.float32)  # (n, H, hd)
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)  # (T, KVH, hd) f16
         mask = np.ascontiguousarray(mask, dtype=np.uint8)  # (n, T)
@@ -444,7 +447,7 @@ class CpuBackend(NumpyBackend):
             f("float[]", q), f("uint16_t[]", k), f("uint16_t[]", v), f("uint8_t[]", mask),
             q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[0], float(scale),
             float(softcap), f("float[]", out), threads)
-        if status == -2:  # more query heads per KV head than the kernel groups
+        if status == -2:  # a head layout it does not take (heads not a multiple of KV heads)
             return super().attention(q, k, v, mask, scale, softcap)
         if status != 0:
             raise MemoryError("no memory for attention scores")
