@@ -152,6 +152,25 @@ def test_attention_head_layouts(backend, heads, kv_heads, hd, n):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_cpu_attention_is_the_same_alone_or_in_a_batch():
+    """A token's attention output does not depend on the batch it comes in (decode, a
+    speculative check and a prompt must agree bit for bit for greedy drafting to be exact)."""
+    cpu = get_backend("cpu")
+    if cpu.native is None:
+        pytest.skip("no C kernels")
+    rng = np.random.default_rng(3)
+    n, T, heads, kv_heads, hd = 40, 90, 12, 2, 128
+    q = rng.standard_normal((n, heads, hd)).astype(np.float32)
+    k = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
+    v = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
+    qpos = np.arange(T - n, T)[:, None]
+    mask = (np.arange(T)[None, :] <= qpos) & (qpos - np.arange(T)[None, :] < 70)  # windowed
+    whole = cpu.attention(q, k, v, mask, hd ** -0.5)
+    for lo, hi in [(0, 1), (7, 11), (17, 40)]:
+        part = cpu.attention(q[lo:hi], k, v, mask[lo:hi], hd ** -0.5)
+        np.testing.assert_array_equal(part, whole[lo:hi])
+
+
 def test_activations_and_softcap(backend):
     rng = np.random.default_rng(0)
     g, u = (rng.standard_normal((3, 100)).astype(np.float32) * 3 for _ in range(2))
