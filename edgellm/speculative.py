@@ -324,18 +324,26 @@ def make_drafter(target: Model, draft: Model | str | Drafter, prompt: Sequence[i
 class DraftLengthController:
     """Chooses the draft length k of each round.
 
-    Pinned (``fixed``) or adaptive: from the measured acceptance rate a (an exponential
-    average), the draft's cost per step c (the median of recent steps, so one step slowed by
-    a busy machine does not switch drafting off) and the target's cost T(n) of a pass over n
-    tokens (a least-squares line over recent passes), a round with k drafted tokens yields
-    (1 - a^(k+1)) / (1 - a) tokens for k*c + T(k+1) seconds; k = 0 is a plain step, 1 token
-    for T(1). It picks the k with the best tokens per second.
+    Pinned (``fixed``) or adaptive, from two measured rates (exponential averages):
 
-    Every drafted token up to the first rejection is an observation of a; so is a proposal cut
-    short (the draft model unsure of its next token, or no n-gram match): the target then
-    supplies that token itself, exactly as after a rejection. While k = 0 wins it probes with a
-    short draft after ``probe_every`` plain steps (doubling while probes fail, up to 4x) so a
-    rising acceptance is noticed. Draft catch-up passes after plain steps are not draft steps.
+    * u, how often a draft step stops the proposal (the draft model unsure of its next token,
+      or no n-gram match): the step is paid for, its token is not proposed;
+    * b, how often the target accepts a proposed token (observed up to the first rejection).
+
+    A round asking for k drafts then runs sum(i < k) (1 - u)^i draft steps of cost c (the
+    median of recent steps, so one step slowed by a busy machine does not switch drafting
+    off), proposes sum(1 <= i <= k) (1 - u)^i tokens, verified in one target pass of cost T(n)
+    (a least-squares line over recent passes), and yields (1 - a^(k+1)) / (1 - a) tokens with
+    a = (1 - u) b. k = 0 is a plain step, 1 token for T(1). It picks the k with the best
+    tokens per second. (Charging every round k steps, as if proposals were never cut short,
+    made it draft too little: at 85% acceptance it kept k at 1 where k = 3 pays 5% more.)
+
+    While k = 0 wins nothing is observed, so each plain step moves u and b 1/``probe_every``
+    of the way back to their priors: a stretch where the draft was unsure (they come in
+    runs) does not switch drafting off for the rest of the reply. Where even the priors say
+    k = 0, it probes with a short draft after ``probe_every`` plain steps (doubling while
+    probes fail, up to 4x) so a rising acceptance is noticed. Draft catch-up passes after
+    plain steps are not draft steps.
     """
 
     def __init__(self, fixed: int | None = None, max_k: int = 7, initial_k: int = 3,
@@ -344,7 +352,8 @@ class DraftLengthController:
         if fixed is not None and fixed < 0:
             raise ValueError(f"draft length must be >= 0, got {fixed}")
         self.fixed, self.max_k, self.initial_k = fixed, max_k, initial_k
-        self.acceptance = acceptance_prior
+        self.accept_prior = self.accept_rate = acceptance_prior  # b: proposed tokens kept
+        self.stop_rate = 0.0  # u: draft steps that end the proposal without a token
         self.draft_cost_prior = draft_cost_prior  # c / T(1) before anything is measured
         self.step_costs: deque[float] = deque(maxlen=16)  # seconds of recent draft steps
         self.free_draft = False  # a drafter without model steps (n-gram): c ~ 0
@@ -353,6 +362,11 @@ class DraftLengthController:
         self.passes: deque[tuple[int, float]] = deque(maxlen=48)  # (tokens, seconds)
         self.plain_steps = 0
         self.probe_interval = probe_every  # doubles after each probe that changes nothing
+
+    @property
+    def acceptance(self) -> float:
+        """a: the chance that a draft position yields a token the target keeps."""
+        return (1.0 - self.stop_rate) * self.accept_rate
 
     @property
     def draft_cost(self) -> float | None:
@@ -370,6 +384,9 @@ class DraftLengthController:
             return self.initial_k
         k = self.best_length()
         if k == 0:
+            forget = 1.0 / self.probe_every  # what was measured grows stale
+            self.stop_rate -= forget * self.stop_rate
+            self.accept_rate += forget * (self.accept_prior - self.accept_rate)
             self.plain_steps += 1
             if self.plain_steps >= self.probe_interval:
                 # a probe costs a catch-up pass of the draft: back off while probes fail
@@ -381,7 +398,7 @@ class DraftLengthController:
             self.probe_interval = self.probe_every
         return k
 
-    def target_cost(self, n: int) -> float:
+    def target_cost(self, n: float) -> float:
         """Estimated seconds of a target pass over n tokens."""
         ns = np.array([p[0] for p in self.passes], dtype=np.float64)
         ts = np.array([p[1] for p in self.passes], dtype=np.float64)
@@ -398,10 +415,14 @@ class DraftLengthController:
         c = self.draft_cost
         c = self.draft_cost_prior * t1 if c is None else c
         a = min(self.acceptance, 0.999)
+        go = 1.0 - self.stop_rate  # a step does not end the proposal
         best_k, best_rate = 0, 1.0 / t1
+        steps = proposed = 0.0
         for k in range(1, self.max_k + 1):
+            steps += go ** (k - 1)  # step k runs if the k - 1 before it proposed
+            proposed += go ** k
             expected = (1 - a ** (k + 1)) / (1 - a)
-            rate = expected / (k * c + self.target_cost(k + 1))
+            rate = expected / (steps * c + self.target_cost(1 + proposed))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -416,9 +437,11 @@ class DraftLengthController:
         elif drafted:
             self.free_draft = True
         s = self.smoothing
-        cut_short = accepted < drafted or drafted < requested
-        for ok in [True] * accepted + [False] * (requested > 0 and cut_short):
-            self.acceptance += s * ((1.0 if ok else 0.0) - self.acceptance)
+        stopped = requested > 0 and drafted < requested  # the proposal ended early
+        for stop in [0.0] * drafted + [1.0] * stopped:
+            self.stop_rate += s * (stop - self.stop_rate)
+        for ok in [1.0] * accepted + [0.0] * (accepted < drafted):
+            self.accept_rate += s * (ok - self.accept_rate)
 
 
 # --------------------------------------------------------------------------- verification
