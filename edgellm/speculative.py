@@ -120,8 +120,7 @@ class Drafter(Protocol):
 
 def check_same_vocabulary(target: Model, draft: Model) -> None:
     """Refuse a draft whose tokenizer differs from the target's (padding rows are allowed)."""
-    t_tokens = target.metadata.get("tokenizer.ggml.tokens") or []
-    d_tokens = draft.metadata.get("tokenizer.ggml.tokens") or []
+    t_tokens, d_tokens = target.tokenizer.tokens, draft.tokenizer.tokens
     n = min(len(t_tokens), len(d_tokens))
     mismatch = next((i for i in range(n) if t_tokens[i] != d_tokens[i]), None)
     extra = list(t_tokens[n:]) + list(d_tokens[n:])

@@ -230,6 +230,11 @@ class Tokenizer:
         self._piece_cache: dict[int, bytes] = {}
         self._special_all, self._special_user = self._special_tables()
 
+    @property
+    def tokens(self) -> Sequence[str]:
+        """Every token's text by id (empty ones as llama.cpp's ``[EMPTY_i]`` placeholder)."""
+        return self._tokens
+
     # ----------------------------------------------------------------- construction
 
     @classmethod

@@ -126,7 +126,7 @@ def test_context_overflow_ends_like_plain(tiny):
 
 def test_tokenizer_mismatch_is_refused_and_padding_accepted():
     def fake(tokens):
-        return SimpleNamespace(metadata={"tokenizer.ggml.tokens": tokens}, name="m")
+        return SimpleNamespace(tokenizer=SimpleNamespace(tokens=tokens), name="m")
 
     check_same_vocabulary(fake(["a", "b"]), fake(["a", "b", "[PAD0]", "[PAD1]"]))
     with pytest.raises(ValueError, match="does not share the tokenizer"):
