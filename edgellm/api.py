@@ -19,7 +19,6 @@ from edgellm.models import build_model
 from edgellm.store import resolve_model
 from edgellm.tokenizer import Tokenizer
 
-
 #: metadata arrays the tokenizer takes over at load (Qwen's merges and Gemma's 262k tokens are
 #: tens of MB of Python strings); ``Model.metadata`` keeps everything else
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
