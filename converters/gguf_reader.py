@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,49 @@ class GGUFFile:
         return str(self.metadata.get("general.architecture", ""))
 
 
+class StringArray(Sequence[str]):
+    """A GGUF array of strings kept as the file's bytes: each item is decoded when asked for.
+
+    A vocabulary as Python strings costs ~70 bytes a token plus the list (Gemma 3's 262,144
+    tokens: ~20 MB; Qwen2's 151,387 merges: ~10 MB more); here it is the UTF-8 bytes plus
+    12 bytes of offsets a string. Invalid UTF-8 decodes with replacement characters.
+    """
+
+    def __init__(self, blob: bytes, starts: np.ndarray, lengths: np.ndarray):
+        self._blob, self._starts, self._lengths = blob, starts, lengths  # (n,) each
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        start = int(self._starts[i])
+        raw = self._blob[start:start + int(self._lengths[i])]
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return raw.decode("utf-8", errors="replace")
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"StringArray({len(self)} strings)"
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each string's length in bytes (n,)."""
+        return self._lengths
+
+
 class _Cursor:
     """Bounds-checked little-endian reads over a buffer."""
 
@@ -118,6 +162,28 @@ class _Cursor:
         except UnicodeDecodeError:
             return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int, what: str) -> StringArray:
+        """``count`` length-prefixed strings, as one copy of their bytes and offsets."""
+        first = self.pos
+        starts = np.empty(count, dtype=np.int64)
+        lengths = np.empty(count, dtype=np.uint32)
+        unpack, buf, end = struct.unpack_from, self.buf, len(self.buf)
+        pos = self.pos
+        for i in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8, f"length of element {i} of {what}")
+            (n,) = unpack("<Q", buf, pos)
+            if n >= 1 << 32:
+                raise self.fail(f"element {i} of {what} is {n} bytes long")
+            if n > end - pos - 8:
+                self.pos = pos + 8
+                self.need(n, f"element {i} of {what}")
+            starts[i], lengths[i] = pos + 8 - first, n
+            pos += 8 + n
+        self.pos = pos
+        return StringArray(bytes(buf[first:pos]), starts, lengths)
+
     def value(self, vtype: int, what: str, depth: int = 0):
         if vtype in _SCALARS:
             fmt, size = _SCALARS[vtype]
@@ -135,8 +201,11 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=_NUMPY_OF[etype], count=count, offset=self.pos)
                 self.pos += count * size
                 return arr.copy()
-            if etype in (_STRING, _ARRAY):
-                # each element takes at least 8 bytes: reject absurd counts before looping
+            # each element takes at least 8 bytes: reject absurd counts before looping
+            if etype == _STRING:
+                self.need(count * 8, f"{count} elements of {what}")
+                return self.strings(count, what)
+            if etype == _ARRAY:
                 self.need(count * 8, f"{count} elements of {what}")
                 return [self.value(etype, what, depth + 1) for _ in range(count)]
             raise self.fail(f"{what}: unknown array element type {etype}")

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Iterable, Sequence
+from bisect import bisect_right
+from collections.abc import Iterable, Iterator, Sequence
 from enum import IntEnum
 from typing import Any
+
+import numpy as np
 
 SUPPORTED_MODELS = ("gpt2", "llama")
 
@@ -98,22 +101,74 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_DECODER = {ch: b for b, ch in _bytes_to_unicode().items()}
 
 
+# --------------------------------------------------------------------------- vocabulary
+
+
+class Vocabulary(Sequence[str]):
+    """Token texts by id, and ids by text, without a Python object per token.
+
+    The texts stay as the GGUF reader gives them (a ``StringArray``: the file's bytes,
+    decoded on use); empty ones read as llama.cpp's ``[EMPTY_i]`` placeholder. Ids by text go
+    through the texts' hashes, sorted: 12 bytes a token where Python strings and a dict took
+    ~100 (Gemma 3's 262,144 tokens: ~35 MB). A lookup costs ~1 us against a dict's 50 ns,
+    which tokenizing a prompt does not notice. As with a dict built in id order, a text
+    that appears twice maps to its later id.
+    """
+
+    def __init__(self, texts: Sequence[str]):
+        n = len(texts)
+        lengths = getattr(texts, "lengths", None)
+        empty = (np.flatnonzero(lengths == 0).tolist() if lengths is not None
+                 else [i for i, t in enumerate(texts) if not t])
+        self._texts = texts
+        self._empty = {i: f"[EMPTY_{i}]" for i in empty}
+        hashes = np.fromiter((hash(t) for t in self), dtype=np.int64, count=n)
+        order = np.argsort(hashes, kind="stable")  # equal hashes stay in id order
+        self._hashes = array("q", hashes[order].tobytes())  # (n,) sorted
+        self._ids = array("i", order.astype(np.int32).tobytes())  # (n,) id of each hash
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        placeholder = self._empty.get(i)
+        return self._texts[i] if placeholder is None else placeholder
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[i] for i in range(len(self)))
+
+    def id_of(self, text: str) -> int | None:
+        """The id of a token's text, or None."""
+        h = hash(text)
+        hashes = self._hashes
+        k = bisect_right(hashes, h) - 1
+        while k >= 0 and hashes[k] == h:  # the later id first, then any hash collisions
+            token_id = self._ids[k]
+            if self[token_id] == text:
+                return token_id
+            k -= 1
+        return None
+
+
 # --------------------------------------------------------------------------- engines
 
 
 class _SpmEngine:
     """llama.cpp's ``llm_tokenizer_spm``: greedy best-score merging with byte fallback."""
 
-    def __init__(self, token_to_id: dict[str, int], scores: Sequence[float], unk_id: int | None):
-        self._token_to_id = token_to_id
+    def __init__(self, vocab: Vocabulary, scores: Sequence[float], unk_id: int | None):
+        self._lookup = vocab.id_of
         self._scores = scores
         # Characters that are not vocab tokens fall back to one <0xXX> token per UTF-8 byte.
-        self._byte_ids = [token_to_id.get(f"<0x{b:02X}>", unk_id) for b in range(256)]
+        self._byte_ids = [vocab.id_of(f"<0x{b:02X}>") for b in range(256)]
+        self._byte_ids = [unk_id if i is None else i for i in self._byte_ids]
 
     def encode(self, text: str, out: list[int]) -> None:
         """Append the ids of one raw-text fragment (spaces not yet escaped) to ``out``."""
         text = text.replace(" ", _SPM_SPACE)
-        lookup = self._token_to_id.get
+        lookup = self._lookup
         n = len(text)
         if n == 0:
             return
@@ -174,7 +229,7 @@ class _BpeEngine:
         from tokenizers import Regex, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
-        vocab = {text: i for i, text in enumerate(tokens)}
+        vocab = {text: i for i, text in enumerate(tokens)}  # HF copies it: gone after __init__
         pairs = []
         for merge in merges:
             # Like llama.cpp, split at the first space after the first character.
@@ -204,8 +259,8 @@ class Tokenizer:
         self,
         *,
         model: str,
-        tokens: list[str],
-        token_types: list[int],
+        tokens: Vocabulary,
+        token_types: bytes,
         engine: _SpmEngine | _BpeEngine,
         bos_id: int | None,
         eos_id: int | None,
@@ -246,13 +301,12 @@ class Tokenizer:
                 f"unsupported tokenizer.ggml.model {model!r}; supported: "
                 + ", ".join(SUPPORTED_MODELS)
             )
-        tokens = _token_texts(metadata)
+        tokens = _vocabulary(metadata)
         n = len(tokens)
-        types = _int_list(metadata.get("tokenizer.ggml.token_type"), n, TokenType.NORMAL)
-        token_to_id = {text: i for i, text in enumerate(tokens)}  # later duplicates win
-        eos_ids, control_ids = _eog_ids(metadata, tokens, types, token_to_id)
+        types = _token_types(metadata.get("tokenizer.ggml.token_type"), n)
+        eos_ids, control_ids = _eog_ids(metadata, tokens, types)
 
-        engine = _build_engine(model, metadata, tokens, token_to_id)
+        engine = _build_engine(model, metadata, tokens)
         if model == "llama":
             # SPM: BOS and a prefix space by default; Gemma's metadata turns the space off.
             add_bos_default = True
@@ -280,10 +334,13 @@ class Tokenizer:
         the text even when ``parse_special`` is off; control/unknown ones only when it is on.
         """
         specials = []
-        for i, (text, kind) in enumerate(zip(self._tokens, self._types, strict=True)):
+        kinds = np.frombuffer(self._types, dtype=np.uint8)
+        special_kinds = (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED)
+        candidates = set(np.flatnonzero(np.isin(kinds, special_kinds)).tolist())
+        for i in sorted(candidates | self._control_ids):
+            text, kind = self._tokens[i], self._types[i]
             is_control = kind in (TokenType.CONTROL, TokenType.UNKNOWN) or i in self._control_ids
-            if is_control or kind == TokenType.USER_DEFINED:
-                specials.append((len(text.encode("utf-8")), i, text, is_control))
+            specials.append((len(text.encode("utf-8")), i, text, is_control))
         specials.sort(key=lambda s: (-s[0], s[1]))
         every = [(text, i) for _, i, text, _ in specials]
         user = [(text, i) for _, i, text, is_control in specials if not is_control]
@@ -464,22 +521,24 @@ def _complete_prefix_len(buf: bytes) -> int:
 # --------------------------------------------------------------------------- metadata helpers
 
 
-def _token_texts(metadata: dict[str, Any]) -> list[str]:
+def _vocabulary(metadata: dict[str, Any]) -> Vocabulary:
     """The vocab strings; empty ones get llama.cpp's placeholder so lookups stay unique."""
     tokens = metadata.get("tokenizer.ggml.tokens")
-    if not tokens:
+    if tokens is None or not len(tokens):
         raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
-    return [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+    return Vocabulary(tokens)
 
 
-def _int_list(values: Any, n: int, default: int) -> list[int]:
-    """A length-``n`` list of ints from an optional metadata array."""
+def _token_types(values: Any, n: int) -> bytes:
+    """Each token's ``TokenType`` as one byte (NORMAL where the metadata has none)."""
     if values is None:
-        return [int(default)] * n
-    out = [int(v) for v in values]
-    if len(out) < n:
+        return bytes([TokenType.NORMAL]) * n
+    kinds = np.asarray(values, dtype=np.int64)
+    if len(kinds) < n:
         raise ValueError("tokenizer.ggml.token_type is shorter than tokenizer.ggml.tokens")
-    return out
+    if len(kinds) and (kinds.min() < 0 or kinds.max() > 255):
+        raise ValueError("tokenizer.ggml.token_type holds values outside 0..255")
+    return kinds[:n].astype(np.uint8).tobytes()
 
 
 def _opt_id(metadata: dict[str, Any], key: str, n: int) -> int | None:
@@ -493,9 +552,8 @@ def _opt_id(metadata: dict[str, Any], key: str, n: int) -> int | None:
 
 def _eog_ids(
     metadata: dict[str, Any],
-    tokens: list[str],
-    types: list[int],
-    token_to_id: dict[str, int],
+    tokens: Vocabulary,
+    types: bytes,
 ) -> tuple[frozenset[int], frozenset[int]]:
     """End-of-generation ids the way llama.cpp collects them, and tokens it forces to control.
 
@@ -505,7 +563,7 @@ def _eog_ids(
     eog: set[int] = set()
     forced_control: set[int] = set()
     for text in _EOG_TEXTS | _FIM_EOG_TEXTS | _FIM_CONTROL_TEXTS:
-        tid = token_to_id.get(text)
+        tid = tokens.id_of(text)
         if tid is None:
             continue
         if text not in _FIM_CONTROL_TEXTS:
@@ -520,19 +578,20 @@ def _eog_ids(
 
 
 def _build_engine(
-    model: str, metadata: dict[str, Any], tokens: list[str], token_to_id: dict[str, int]
+    model: str, metadata: dict[str, Any], tokens: Vocabulary
 ) -> _SpmEngine | _BpeEngine:
     """The subword engine for ``model`` ("llama" -> SPM, "gpt2" -> byte-level BPE)."""
     n = len(tokens)
     if model == "llama":
         raw_scores = metadata.get("tokenizer.ggml.scores")
-        # a flat array of doubles: 8 bytes a score, not a 32-byte float object (262k in Gemma)
-        scores = array("d", bytes(8 * n) if raw_scores is None else
-                       (float(s) for s in raw_scores))
+        # a flat array of f32 (the file's own values): 4 bytes a score, not a 32-byte float
+        # object (262k in Gemma)
+        scores = array("f", bytes(4 * n) if raw_scores is None else
+                       np.asarray(raw_scores, dtype=np.float32).tobytes())
         if len(scores) < n:
             raise ValueError("tokenizer.ggml.scores is shorter than tokenizer.ggml.tokens")
         unk_id = _opt_id(metadata, "tokenizer.ggml.unknown_token_id", n)
-        return _SpmEngine(token_to_id, scores, unk_id)
+        return _SpmEngine(tokens, scores, unk_id)
     pre = metadata.get("tokenizer.ggml.pre")
     if pre not in _BPE_PRE_PATTERNS:
         raise ValueError(

@@ -64,7 +64,25 @@ BAD_FILES = {
                      "truncated while reading"),
     "absurd_string": (dict(extra_kv=_str("y") + struct.pack("<IQ", 8, 1 << 50)),
                       "truncated while reading"),
+    # an array of 3 strings whose second claims more bytes than the file has
+    "string_array_past_the_end": (dict(extra_kv=_str("z") + struct.pack("<IIQ", 9, 8, 3)
+                                       + _str("ok") + struct.pack("<Q", 1 << 31)),
+                                  "truncated while reading element 1"),
 }
+
+
+def test_string_arrays_read_compactly(tmp_path):
+    """A string array comes back as a sequence over the file's bytes that reads like a list
+    (items, slices, iteration, equality), with bad UTF-8 replaced, not raised."""
+    words = ["", "héllo", "Ġworld", "<0x0A>"]
+    raw_items = [_str(w) for w in words] + [struct.pack("<Q", 2) + b"\xff\xfe"]
+    extra = _str("tokens") + struct.pack("<IIQ", 9, 8, len(raw_items)) + b"".join(raw_items)
+    g = read_gguf(write(tmp_path, build_gguf(extra_kv=extra), "strings.gguf"))
+    tokens = g.metadata["tokens"]
+    assert len(tokens) == 5 and tokens[1] == "héllo" and tokens[-2] == "<0x0A>"
+    assert tokens[1:3] == ["héllo", "Ġworld"] and list(tokens)[:4] == words
+    assert tokens == [*words, "\ufffd\ufffd"] and tokens != words
+    assert list(tokens.lengths) == [0, 6, 7, 6, 2]
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))

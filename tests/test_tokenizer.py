@@ -214,3 +214,16 @@ def test_streaming_flush_incomplete(loaded):
     assert [det.add(i) for i in ids[1:3]] == ["", ""]
     assert det.flush() == "\ufffd"
     assert det.text == "a\ufffd"
+
+
+def test_vocabulary_maps_texts_to_ids_like_a_dict():
+    """Ids by text as ``{text: i for i, text in enumerate(tokens)}`` would give them (a
+    repeated text maps to its later id), with empty texts as llama.cpp's placeholders."""
+    from edgellm.tokenizer import Vocabulary
+
+    texts = ["a", "", "▁the", "a", "<0x0A>", "[EMPTY_1]x", "é"]
+    vocab = Vocabulary(texts)
+    expected = {t: i for i, t in enumerate(vocab)}
+    assert vocab[1] == "[EMPTY_1]" and list(vocab)[2:] == texts[2:] and len(vocab) == 7
+    assert all(vocab.id_of(t) == i for t, i in expected.items())
+    assert vocab.id_of("a") == 3 and vocab.id_of("") is None and vocab.id_of("b") is None
