@@ -1063,7 +1063,7 @@ typedef struct {
     attn_job_t a;
     int n;        /* tokens */
     int nblocks;  /* token blocks of ATTN_QBLOCK */
-} prefill_job_t;
+} attn_units_t;
 
 static inline float hmax8(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -1191,7 +1191,7 @@ static void fold_key_block(const attn_job_t *a, const float *q, int ng, const fl
     }
 }
 
-static void prefill_unit(const prefill_job_t *p, int t0, int kh, float *work) {
+static void attn_unit(const attn_units_t *p, int t0, int kh, float *work) {
     const attn_job_t *a = &p->a;
     const int G = a->n_heads / a->n_kv, hd = a->hd, T = a->T;
     const int nt = p->n - t0 < ATTN_QBLOCK ? p->n - t0 : ATTN_QBLOCK, R = nt * G;
@@ -1240,9 +1240,9 @@ static void prefill_unit(const prefill_job_t *p, int t0, int kh, float *work) {
 }
 
 /* chunk c is unit c: the last token blocks (the longest under a causal mask) go first */
-static void prefill_units(const void *ctx, int r0, int r1) {
+static void attn_units(const void *ctx, int r0, int r1) {
     (void)r1;
-    prefill_job_t *p = (prefill_job_t *)ctx;
+    attn_units_t *p = (attn_units_t *)ctx;
     const int unit = r0 / CHUNK_ROWS, n_kv = p->a.n_kv, G = p->a.n_heads / n_kv;
     const int block = p->nblocks - 1 - unit / n_kv, hd = p->a.hd;
     float *work = malloc(sizeof(float) * ((int64_t)2 * ATTN_KBLOCK * hd +
@@ -1251,7 +1251,7 @@ static void prefill_units(const void *ctx, int r0, int r1) {
         p->a.failed = 1;
         return;
     }
-    prefill_unit(p, block * ATTN_QBLOCK, unit % n_kv, work);
+    attn_unit(p, block * ATTN_QBLOCK, unit % n_kv, work);
     free(work);
 }
 
@@ -1260,9 +1260,9 @@ int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const
                      int n, int n_heads, int n_kv, int hd, int T, float scale, float softcap,
                      float *out, int nthreads) {
     if (hd % 8 || n_kv < 1 || n_heads % n_kv || n < 1) return -2;
-    prefill_job_t p = {{q, k, v, mask, n_heads, n_kv, hd, T, scale, softcap, out, 0}, n,
+    attn_units_t p = {{q, k, v, mask, n_heads, n_kv, hd, T, scale, softcap, out, 0}, n,
                        (n + ATTN_QBLOCK - 1) / ATTN_QBLOCK};
-    parallel_rows(prefill_units, &p, p.nblocks * n_kv * CHUNK_ROWS, nthreads);
+    parallel_rows(attn_units, &p, p.nblocks * n_kv * CHUNK_ROWS, nthreads);
     return p.a.failed ? -1 : 0;
 }
 
