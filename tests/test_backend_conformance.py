@@ -154,10 +154,11 @@ def test_attention_head_layouts(backend, heads, kv_heads, hd, n):
 
 def test_cpu_attention_is_the_same_alone_or_in_a_batch():
     """A token's attention output does not depend on the batch it comes in (decode, a
-    speculative check and a prompt must agree bit for bit for greedy drafting to be exact)."""
-    cpu = get_backend("cpu")
-    if cpu.native is None:
-        pytest.skip("no C kernels")
+    speculative check and a prompt must agree bit for bit for greedy drafting to be exact),
+    in every C kernel variant (AVX-512 builds and AVX2 ones), and matches the reference."""
+    variants = {id(b.native): (name, b) for name, b in _c_kernel_variants()}
+    if not variants:
+        pytest.skip("no C kernels here")
     rng = np.random.default_rng(3)
     n, T, heads, kv_heads, hd = 40, 90, 12, 2, 128
     q = rng.standard_normal((n, heads, hd)).astype(np.float32)
@@ -165,10 +166,13 @@ def test_cpu_attention_is_the_same_alone_or_in_a_batch():
     v = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
     qpos = np.arange(T - n, T)[:, None]
     mask = (np.arange(T)[None, :] <= qpos) & (qpos - np.arange(T)[None, :] < 70)  # windowed
-    whole = cpu.attention(q, k, v, mask, hd ** -0.5)
-    for lo, hi in [(0, 1), (7, 11), (17, 40)]:
-        part = cpu.attention(q[lo:hi], k, v, mask[lo:hi], hd ** -0.5)
-        np.testing.assert_array_equal(part, whole[lo:hi])
+    want = REF.attention(q, k, v, mask, hd ** -0.5, 0.0)
+    for name, cpu in variants.values():
+        whole = cpu.attention(q, k, v, mask, hd ** -0.5)
+        np.testing.assert_allclose(whole, want, rtol=1e-4, atol=1e-4, err_msg=name)
+        for lo, hi in [(0, 1), (7, 11), (17, 40)]:
+            part = cpu.attention(q[lo:hi], k, v, mask[lo:hi], hd ** -0.5)
+            np.testing.assert_array_equal(part, whole[lo:hi], err_msg=name)
 
 
 def test_activations_and_softcap(backend):
