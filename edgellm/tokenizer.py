@@ -127,6 +127,10 @@ class Vocabulary(Sequence[str]):
         self._hashes = array("q", hashes[order].tobytes())  # (n,) sorted
         self._ids = array("i", order.astype(np.int32).tobytes())  # (n,) id of each hash
 
+    def __reduce__(self):
+        # str hashes are salted per process: another process (unpickling) rebuilds the table
+        return (Vocabulary, (self._texts,))
+
     def __len__(self) -> int:
         return len(self._texts)
 

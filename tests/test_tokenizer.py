@@ -227,3 +227,23 @@ def test_vocabulary_maps_texts_to_ids_like_a_dict():
     assert vocab[1] == "[EMPTY_1]" and list(vocab)[2:] == texts[2:] and len(vocab) == 7
     assert all(vocab.id_of(t) == i for t, i in expected.items())
     assert vocab.id_of("a") == 3 and vocab.id_of("") is None and vocab.id_of("b") is None
+
+
+def test_vocabulary_survives_a_trip_to_another_process(tmp_path):
+    """Python salts str hashes per process: a pickled vocabulary must rebuild its lookup."""
+    import pickle
+    import subprocess
+    import sys
+
+    from edgellm.converters.gguf_reader import read_gguf
+    from tests.tiny_models import write_tiny_llama
+
+    vocab = Tokenizer.from_gguf_metadata(read_gguf(write_tiny_llama(
+        tmp_path / "t.gguf")).metadata).tokens
+    (tmp_path / "v.pkl").write_bytes(pickle.dumps(vocab))
+    probe = [vocab[i] for i in (0, 5, len(vocab) - 1)]
+    code = ("import pickle, sys; v = pickle.load(open(sys.argv[1], 'rb')); "
+            "print([v.id_of(t) for t in sys.argv[2:]])")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "v.pkl"), *probe],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str([vocab.id_of(t) for t in probe])
