@@ -447,12 +447,18 @@ FORCE void tile_kquant(const chunk_t *u, const int8_t *x, const int32_t *xc, con
             const __m512i sc = _mm512_load_si512(u->scale + 16 * s);
             for (int t = 0; t < T; t++)
                 isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dot[t], sc));
-            if (min) {
-                const __m512i mn = _mm512_load_si512(u->minv + 16 * s);
-                for (int t = 0; t < T; t++)
-                    imin[t] = _mm512_add_epi32(imin[t], _mm512_mullo_epi32(
-                                                            _mm512_set1_epi32(xc[s * T + t]), mn));
-            }
+        }
+        /* sum_s m_s * xc_s two sub-blocks at a time (m_s <= 63 and |xc_s| <= 32 * 128 fit
+         * int16): one exact vpdpwssd where two vpmulld and adds took the dot products' port */
+        for (int j = 0; min && j < G; j += 2) {
+            const int s = sb * G + j;
+            const __m512i mn = _mm512_or_si512(
+                _mm512_and_si512(_mm512_load_si512(u->minv + 16 * s), _mm512_set1_epi32(0xFFFF)),
+                _mm512_slli_epi32(_mm512_load_si512(u->minv + 16 * (s + 1)), 16));
+            const int32_t *x0 = xc + s * T, *x1 = x0 + T;
+            for (int t = 0; t < T; t++)
+                imin[t] = _mm512_dpwssd_epi32(imin[t], mn, _mm512_set1_epi32((int32_t)(
+                              ((uint32_t)x0[t] & 0xFFFFu) | ((uint32_t)x1[t] << 16))));
         }
         kquant_fold(_mm512_load_ps(u->dd + 32 * sb), _mm512_load_ps(u->dd + 32 * sb + 16),
                     f1 + sb * T, T, min, isum, imin, acc);
