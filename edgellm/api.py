@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -126,10 +125,8 @@ def return_freed_memory() -> None:
     construction, weight repacking) that malloc would otherwise keep: 15 MB of the 0.5B's
     resident memory after load.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
-        trim = None
-    if trim is not None:
-        trim(0)
+    try:  # the process's own symbols: no library search (find_library runs a subprocess)
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc
+        return
+    trim(0)

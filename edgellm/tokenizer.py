@@ -166,8 +166,8 @@ class _SpmEngine:
         self._lookup = vocab.id_of
         self._scores = scores
         # Characters that are not vocab tokens fall back to one <0xXX> token per UTF-8 byte.
-        self._byte_ids = [vocab.id_of(f"<0x{b:02X}>") for b in range(256)]
-        self._byte_ids = [unk_id if i is None else i for i in self._byte_ids]
+        byte_ids = (vocab.id_of(f"<0x{b:02X}>") for b in range(256))
+        self._byte_ids = [unk_id if i is None else i for i in byte_ids]
 
     def encode(self, text: str, out: list[int]) -> None:
         """Append the ids of one raw-text fragment (spaces not yet escaped) to ``out``."""

@@ -807,14 +807,21 @@ typedef struct {
     matvec_job_t jobs[MULTI_MAX];
 } multi_job_t;
 
+/* The matrix of a multi job that owns chunk c (matrix i owns chunks [first_chunk[i],
+ * first_chunk[i + 1])), and c's rows in it, [*lr0, *lr1). */
+static int chunk_owner(const int *first_chunk, const int *rows, int c, int *lr0, int *lr1) {
+    int i = 0;
+    while (c >= first_chunk[i + 1]) i++;
+    *lr0 = (c - first_chunk[i]) * CHUNK_ROWS;
+    *lr1 = *lr0 + CHUNK_ROWS < rows[i] ? *lr0 + CHUNK_ROWS : rows[i];
+    return i;
+}
+
 static void multi_rows(const void *ctx, int r0, int r1) {
     (void)r1;
     const multi_job_t *m = ctx;
-    const int c = r0 / CHUNK_ROWS;
-    int i = 0;
-    while (c >= m->first_chunk[i + 1]) i++;
-    const int lr0 = (c - m->first_chunk[i]) * CHUNK_ROWS;
-    const int lr1 = lr0 + CHUNK_ROWS < m->rows[i] ? lr0 + CHUNK_ROWS : m->rows[i];
+    int lr0, lr1;
+    const int i = chunk_owner(m->first_chunk, m->rows, r0 / CHUNK_ROWS, &lr0, &lr1);
     matvec_rows(&m->jobs[i], lr0, lr1);
 }
 

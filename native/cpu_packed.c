@@ -285,11 +285,8 @@ FORCE void dtile_blocks(int qtype, const uint8_t *src, int nb, const int8_t *x, 
     tile_store(out, ldo, keep, T, acc);
 }
 
-/* Q4_K: as tile_kquant (L = 32, minimums; xc holds the activation sums). The minimums'
- * sum over the superblock, sum_j m_j * xc_j, is taken two sub-blocks at a time with vpdpwssd
- * (m_j <= 63 and |xc_j| <= 32 * 127 fit int16; the int32 result is exact, the same number
- * as multiplying and adding each): 4 instructions a token where vpmulld took 8 (2 uops
- * each, all on the port the dot products need). */
+/* Q4_K: as tile_kquant (L = 32, minimums, two sub-blocks at a time: min_pair_dots; xc holds
+ * the activation sums) */
 FORCE void dtile_q4k(const uint8_t *src, int nsb, const int8_t *x, const int32_t *xc,
                      const float *f1, float *out, int64_t ldo, __mmask16 keep, const int T) {
     /* (mn[2p][r], mn[2p + 1][r]) as the int16 pair of lane r, from 32 bytes mn[2p], mn[2p+1] */
@@ -315,10 +312,7 @@ FORCE void dtile_q4k(const uint8_t *src, int nsb, const int8_t *x, const int32_t
         for (int p = 0; p < 4; p++) {
             const __m512i mn = _mm512_permutexvar_epi16(pairs, _mm512_cvtepu8_epi16(
                                    _mm256_loadu_si256((const __m256i *)(mn8 + 32 * p))));
-            const int32_t *x0 = xc + (sb * 8 + 2 * p) * T, *x1 = x0 + T;
-            for (int t = 0; t < T; t++)
-                imin[t] = _mm512_dpwssd_epi32(imin[t], mn, _mm512_set1_epi32(
-                              (int32_t)(((uint32_t)x0[t] & 0xFFFFu) | ((uint32_t)x1[t] << 16))));
+            min_pair_dots(mn, xc + (sb * 8 + 2 * p) * T, T, imin);
         }
         kquant_fold(f16x16(src + 2304), f16x16(src + 2336), f1 + sb * T, T, 1, isum, imin, acc);
     }
@@ -471,17 +465,16 @@ int ek_matmul_packed(int qtype, const uint8_t *packed, int rows, int cols, const
 typedef struct {
     int count;
     int first_chunk[MULTI_MAX + 1];
+    int rows[MULTI_MAX];
     packed_job_t jobs[MULTI_MAX];
 } packed_multi_t;
 
 static void packed_multi_rows(const void *ctx, int r0, int r1) {
     (void)r1;
     const packed_multi_t *m = ctx;
-    const int c = r0 / CHUNK_ROWS;
-    int i = 0;
-    while (c >= m->first_chunk[i + 1]) i++;
-    const int lr0 = (c - m->first_chunk[i]) * CHUNK_ROWS, rows = m->jobs[i].rows;
-    packed_chunk_decode(&m->jobs[i], lr0, lr0 + CHUNK_ROWS < rows ? lr0 + CHUNK_ROWS : rows);
+    int lr0, lr1;
+    const int i = chunk_owner(m->first_chunk, m->rows, r0 / CHUNK_ROWS, &lr0, &lr1);
+    packed_chunk_decode(&m->jobs[i], lr0, lr1);
 }
 
 int ek_matmul_packed_multi(int count, const int *qtypes, const uint8_t *const *packed,
@@ -512,6 +505,7 @@ int ek_matmul_packed_multi(int count, const int *qtypes, const uint8_t *const *p
         packed_job_t j = {qtypes[i], rows[i], cols, n, f, packed[i], &acts[owner[i]],
                           out + offset, 0};
         m.jobs[i] = j;
+        m.rows[i] = rows[i];
         m.first_chunk[i + 1] = m.first_chunk[i] + (rows[i] + CHUNK_ROWS - 1) / CHUNK_ROWS;
         offset += (int64_t)n * rows[i];
     }
