@@ -106,7 +106,8 @@ def _load_json(path: Path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read {what} ({exc}); re-download the model folder")
+        raise ValueError(f"{path}: cannot read {what} ({exc}); re-download the model "
+                         "folder") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: {what} is not a JSON object; re-download the model folder")
     return data

@@ -85,8 +85,8 @@ def tokenizer_metadata(folder: HFFolder, vocab_size: int) -> dict[str, Any]:
     if (path / "tokenizer.json").is_file():
         data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
         model = data.get("model", {})
-        if model.get("type") == "BPE" and any(
-                step[0] == "bytelevel" for step in pre_tokenizer_signature(data.get("pre_tokenizer"))):
+        steps = pre_tokenizer_signature(data.get("pre_tokenizer"))
+        if model.get("type") == "BPE" and any(step[0] == "bytelevel" for step in steps):
             meta, ids = _byte_level_bpe(data, vocab_size)
         elif (path / "tokenizer.model").is_file():
             meta, ids = _sentencepiece(folder, vocab_size)
