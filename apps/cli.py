@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("models", "list installed and available models"),
     "bench": ("bench", "tokens/sec per model and backend, like llama-bench"),
     "serve": ("serve", "local OpenAI-compatible server; concurrent requests decoded together"),
+    "capi": ("capi", "build the C library libedgellm and its header edgellm.h"),
     "convert": ("convert", "convert a Hugging Face model folder to GGUF (any quant type)"),
     "imatrix": ("imatrix", "importance matrix of a model over calibration text (for convert)"),
 }

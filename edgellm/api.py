@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgellm.backends import Backend, get_backend
 from edgellm.cache import CacheConfig, CachePlan, KVCache, default_context, plan_cache
@@ -18,6 +21,17 @@ from edgellm.models import build_model
 from edgellm.store import resolve_model
 from edgellm.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from edgellm.engine import Completion, Engine, RequestHandle, TokenEvent
+    from edgellm.sampling import SamplingParams
+
+#: sequences the engine decodes together when a Model starts it without being told (each is a
+#: KV cache of the model's context, allocated up front)
+DEFAULT_ENGINE_SEQS = 4
+
+#: load progress: (fraction done in [0, 1], stage: "file", "weights", "tokenizer", "done")
+LoadProgress = Callable[[float, str], None]
+
 #: metadata arrays the tokenizer takes over at load (Qwen's merges and Gemma's 262k tokens are
 #: tens of MB of Python strings); ``Model.metadata`` keeps everything else
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
@@ -27,7 +41,17 @@ TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer
 @dataclass
 class Model:
     """A loaded model: the network over a backend, its tokenizer, and its file's metadata
-    (less ``TOKENIZER_ARRAYS``: the tokenizer holds the vocabulary)."""
+    (less ``TOKENIZER_ARRAYS``: the tokenizer holds the vocabulary).
+
+    Threads: one Model may be shared by any number of threads. ``submit``/``complete``
+    (and their ``_chat`` forms) go through the model's engine, which decodes concurrent
+    requests together, each getting the tokens it would get alone; a request is cancelled
+    from any thread with ``handle.cancel()``. ``generate``/``stream_generate`` on a shared
+    Model are safe too (each call has its own KV cache; the C kernels run one op at a time)
+    but are not batched. A ``ChatSession`` (one conversation, one cache) belongs to one
+    thread at a time. ``close()`` (or ``with edgellm.load(...) as model:``) releases the
+    memory.
+    """
 
     path: Path
     metadata: dict[str, Any]
@@ -37,6 +61,9 @@ class Model:
     backend: Backend
     context_length: int  # tokens the default cache holds
     cache_config: CacheConfig = field(default_factory=CacheConfig)  # dtype, policy, keep
+    closed: bool = field(default=False, init=False)
+    _engine: Engine | None = field(default=None, init=False, repr=False)
+    _engine_lock: Any = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
     def chat_template(self) -> str | None:
@@ -89,22 +116,136 @@ class Model:
                            eos_token=text_of(tok.eos_id),
                            add_generation_prompt=add_generation_prompt)
 
+    # -- requests through the engine (safe from any thread) ---------------------------------
+    def start_engine(self, **options: Any) -> Engine:
+        """Start the model's engine with ``options`` (``edgellm.engine.Engine``'s: ``ctx``,
+        ``kv_budget``, ``max_seqs``, ``max_queue``, ``prefill_chunk``); options left None
+        take the defaults (``max_seqs``: DEFAULT_ENGINE_SEQS). Once per model: the engine
+        ``submit`` uses, started on first use with the defaults when this was not called."""
+        from edgellm.engine import Engine
+
+        options = {k: v for k, v in options.items() if v is not None}
+        options.setdefault("max_seqs", DEFAULT_ENGINE_SEQS)
+        with self._engine_lock:
+            if self.closed:
+                raise ValueError("the model is closed: load it again")
+            if self._engine is not None:
+                raise ValueError("the model's engine is already running: start_engine() "
+                                 "must come before the first request")
+            self._engine = Engine(self, **options)
+            return self._engine
+
+    @property
+    def engine(self) -> Engine:
+        """The engine every ``submit`` goes through (started with the defaults if needed)."""
+        engine = self._engine
+        if engine is not None:
+            return engine
+        try:
+            return self.start_engine()
+        except ValueError:
+            if self._engine is not None:  # another thread started it first
+                return self._engine
+            raise
+
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               *, logprobs: int | None = None) -> RequestHandle:
+        """Queue a completion of ``prompt`` (text, tokenized as ``encode`` does, or ids) on
+        the engine; returns at once. Iterate the handle for its ``TokenEvent``s (text,
+        token, finish_reason, usage), ``result()`` for all of it, ``cancel()`` from any
+        thread to stop it at the next step (one token, or one prompt slice while the prompt
+        is processed)."""
+        from edgellm.engine import Request
+        from edgellm.sampling import SamplingParams
+
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        return self.engine.submit(Request(ids, params or SamplingParams(), logprobs))
+
+    def submit_chat(self, messages: Sequence[Message], params: SamplingParams | None = None,
+                    *, logprobs: int | None = None) -> RequestHandle:
+        """``submit`` for a conversation, rendered with the model's chat template."""
+        return self.submit(self.encode(self.apply_chat_template(messages)), params,
+                           logprobs=logprobs)
+
+    def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                 *, on_token: Callable[[TokenEvent], Any] | None = None) -> Completion:
+        """The whole reply to ``prompt`` through the engine. ``on_token(event)`` runs on this
+        thread for each event as it arrives; an exception from it cancels the request and
+        propagates."""
+        return _collect(self.submit(prompt, params), on_token)
+
+    def complete_chat(self, messages: Sequence[Message], params: SamplingParams | None = None,
+                      *, on_token: Callable[[TokenEvent], Any] | None = None) -> Completion:
+        """``complete`` for a conversation, rendered with the model's chat template."""
+        return _collect(self.submit_chat(messages, params), on_token)
+
+    # -- closing ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the engine (its unfinished requests end with finish_reason "error") and
+        release the weights, tokenizer and caches: the process's memory returns to what it
+        was before the load. The model cannot be used afterwards. Idempotent."""
+        with self._engine_lock:
+            if self.closed:
+                return
+            self.closed = True
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+        self.net = self.tokenizer = self.backend = None
+        gc.collect()  # the weights may sit in reference cycles (bound methods, partials)
+        return_freed_memory()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _collect(handle: RequestHandle, on_token: Callable[[TokenEvent], Any] | None) -> Completion:
+    """Iterate a request's events (calling on_token) and return its Completion."""
+    from edgellm.engine import Completion
+
+    events: Iterator[TokenEvent] = iter(handle)
+    text, tokens, logprobs, last = [], [], [], None
+    try:
+        for event in events:
+            if on_token is not None:
+                on_token(event)
+            text.append(event.text)
+            if event.token is not None:
+                tokens.append(event.token)
+            if event.logprob is not None:
+                logprobs.append(event.logprob)
+            last = event
+    except BaseException:
+        handle.cancel()
+        raise
+    return Completion(handle.id, "".join(text), tokens, last.finish_reason, last.usage,
+                      logprobs, last.error)
+
 
 def load(model: str | os.PathLike = "qwen2.5-coder-0.5b-instruct", backend: str = "auto",
          threads: int | None = None, context_length: int | None = None,
-         cache: CacheConfig | None = None) -> Model:
+         cache: CacheConfig | None = None, progress: LoadProgress | None = None) -> Model:
     """Load a model by catalog name or ``.gguf`` path onto a backend ("auto" = fastest here).
 
     ``context_length`` caps the default KV cache (default: the model's own, at most 4096).
     ``cache`` sets the KV cache's budget (``max_tokens``/``max_bytes``: a byte budget sets the
     context to the most tokens that fit), storage dtype and overflow policy.
+    ``progress(fraction, stage)`` is called as loading goes (on this thread; the weights by
+    bytes prepared); an exception from it aborts the load.
     """
+    report = progress or _no_progress
     path = resolve_model(model)
     gguf = read_gguf(path)
+    report(0.02, "file")
     options = {"threads": threads} if threads else {}
     be = get_backend(backend, **options)
-    net = build_model(gguf.metadata, gguf.tensors, be)
+    with _weight_progress(be, gguf.tensors, lambda f: report(0.02 + 0.9 * f, "weights")):
+        net = build_model(gguf.metadata, gguf.tensors, be)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    report(0.97, "tokenizer")
     cache = cache or CacheConfig()
     ctx = context_length or cache.max_tokens or default_context(net.args.context_length)
     if cache.max_bytes is not None:  # the most tokens that fit, up to the model's context
@@ -115,7 +256,42 @@ def load(model: str | os.PathLike = "qwen2.5-coder-0.5b-instruct", backend: str 
     del gguf
     model = Model(path, metadata, net.args, net, tokenizer, be, ctx, cache)
     return_freed_memory()
+    report(1.0, "done")
     return model
+
+
+def _no_progress(fraction: float, stage: str) -> None:
+    pass
+
+
+@contextmanager
+def _weight_progress(backend: Backend, tensors: dict, report: Callable[[float], None]):
+    """Report the fraction of the file's tensor bytes the backend has prepared, while the
+    architecture builds its weights. The backend instance's ``prepare*`` methods are wrapped
+    for the duration (instance attributes, removed after): every architecture prepares each
+    tensor through them, so no constructor needs a progress parameter."""
+    total = sum(t.nbytes for t in tensors.values()) or 1
+    done = reported = 0.0
+
+    def counting(method):
+        def prepare(tensor, *args, **kwargs):
+            nonlocal done, reported
+            out = method(tensor, *args, **kwargs)
+            done += tensor.nbytes
+            if done / total >= reported + 0.01:  # a call per percent, not per tensor
+                reported = min(done / total, 1.0)
+                report(reported)
+            return out
+        return prepare
+
+    names = [n for n in ("prepare", "prepare_vector", "prepare_embedding") if hasattr(backend, n)]
+    for name in names:
+        setattr(backend, name, counting(getattr(backend, name)))
+    try:
+        yield
+    finally:
+        for name in names:
+            delattr(backend, name)
 
 
 def return_freed_memory() -> None:

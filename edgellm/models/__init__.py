@@ -12,6 +12,7 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": ".llama",
     "qwen2": ".qwen2",
     "gemma3": ".gemma3",
+    "qwen3": ".qwen3",
 }
 
 
