@@ -12,6 +12,10 @@ _REGISTRY: dict[str, tuple] = {
     # the reference with llama.cpp's CPU arithmetic (8-bit activations, f16 attention, ...)
     "numpy-ggml": (".numpy_backend", "NumpyBackend", {"ggml_numerics": True}),
     "cpu": (".cpu", "CpuBackend"),
+    # torch: CUDA (triton kernels, CUDA graphs) when there is a GPU, else CPU torch
+    "torch": (".torch", "TorchBackend"),
+    # Apple MLX (GPU on Apple Silicon; mlx[cpu] elsewhere): ImportError without mlx
+    "mlx": (".mlx", "MlxBackend"),
 }
 
 #: Tried in order by ``get_backend("auto")``.

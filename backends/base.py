@@ -55,6 +55,16 @@ class Backend(ABC):
     def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array:
         """A zero-filled array: the KV cache's storage (dtype "float32" or "float16")."""
 
+    def index(self, idx: np.ndarray) -> Any:
+        """Integer indices (n,) as this backend's arrays take them in ``a[idx]`` and
+        ``a[idx] = b`` (the KV cache's slot writes): numpy's own here; MLX wants its own."""
+        return idx
+
+    def device_memory(self) -> dict[str, int] | None:
+        """Bytes the backend's device holds (``active``: arrays alive now; ``peak``), where
+        the backend can tell; None for host-memory backends (see RSS instead)."""
+        return None
+
     # -- ops -----------------------------------------------------------------------------
     @abstractmethod
     def embed(self, table: Any, ids: np.ndarray) -> Array:

@@ -237,6 +237,7 @@ class FloatStore:
 
     def __init__(self, backend, slots: int, n_kv_heads: int, head_dim: int, dtype: str):
         shape = (slots, n_kv_heads, head_dim)
+        self.backend = backend
         self.dtype = dtype  # of the arrays read() returns
         self.keys = backend.zeros(shape, dtype)
         self.values = backend.zeros(shape, dtype)
@@ -246,6 +247,7 @@ class FloatStore:
         return int(self.keys.nbytes + self.values.nbytes)
 
     def write(self, slots: np.ndarray, k: Any, v: Any) -> None:
+        slots = self.backend.index(slots)
         self.keys[slots] = k
         self.values[slots] = v
 
@@ -419,17 +421,17 @@ class LayerCache:
             survive = (pos < p.keep) | (pos >= pos[-1] + 1 - (p.slots - p.keep))
             if not survive.all():
                 idx = np.flatnonzero(survive)
-                pos, k, v = pos[idx], k[idx], v[idx]
+                rows = self.backend.index(idx)
+                pos, k, v = pos[idx], k[rows], v[rows]
         slots = self.slot_of(pos)
         self.store.write(slots, k, v)
         self.slot_pos[slots] = pos
         if p.keep:
             sinks = np.flatnonzero(pos < p.keep)
             if len(sinks):
-                self.sink_keys[pos[sinks]] = self.backend.asarray(
-                    self.backend.to_numpy(k)[sinks])
-                self.sink_values[pos[sinks]] = self.backend.asarray(
-                    self.backend.to_numpy(v)[sinks])
+                rows = self.backend.index(pos[sinks])
+                self.sink_keys[rows] = self.backend.asarray(self.backend.to_numpy(k)[sinks])
+                self.sink_values[rows] = self.backend.asarray(self.backend.to_numpy(v)[sinks])
 
     def _read(self, start: int) -> tuple[Any, Any]:
         """Keys and values of every slot, the sinks' keys re-based for a query at start."""
