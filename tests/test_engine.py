@@ -87,7 +87,8 @@ def test_seeded_sampling_repeats_whatever_the_batch(qwen):
     ids = qwen.encode("Once upon a time")
     with Engine(qwen, ctx=256, max_seqs=4) as engine:
         solo = engine.submit(Request(ids, params)).result(timeout=120)
-        handles = [engine.submit(Request(qwen.encode(t), params)) for t in TEXTS[:4]]
+        handles = [engine.submit(Request(ids, params))]
+        handles += [engine.submit(Request(qwen.encode(t), params)) for t in TEXTS[:3]]
         batched = handles[0].result(timeout=120)
         other_seed = engine.submit(Request(ids, SamplingParams(seed=12, **wide))).result()
     assert solo.tokens == batched.tokens
