@@ -52,6 +52,13 @@ def rows_of(results: list[tuple]) -> list[dict]:
                "weights GB/s": f"{rec.bandwidth / 1e9:.1f}",
                "TTFT ms": f"{rec.ttft_ms:.0f}" if rec.ttft_ms is not None else "",
                "peak RSS": _gib(rec.peak_rss)}
+        if rec.peak_device_memory is not None:  # a GPU backend
+            share = rec.bandwidth_share
+            row["% of peak BW"] = f"{100 * share:.0f}%" if share is not None else ""
+            row["device peak"] = _gib(rec.peak_device_memory)
+            row["weights+KV on device"] = _gib((rec.device_weight_bytes or 0)
+                                               + (rec.kv_bytes or 0))
+            row["capture ms"] = f"{1e3 * rec.capture_s:.0f}" if rec.capture_s else ""
         if ref is not None:
             row["llama.cpp t/s"] = f"{ref['mean_ts']:.2f} ± {ref['std_ts']:.2f}"
             row["ratio"] = f"{rec.mean / ref['mean_ts']:.2f}"

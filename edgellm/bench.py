@@ -3,8 +3,10 @@
 ``bench_model`` loads one model on one backend and returns one ``BenchRecord`` per test
 (``pp512``: one forward pass over a 512-token prompt; ``tg128``: 128 single-token forward
 passes from an empty cache), each with its per-repetition samples; a warm-up run of each test
-is excluded. ``llama_bench`` runs llama.cpp's llama-bench on the same file for comparison.
-This module returns records; apps/bench.py prints them.
+is excluded (and with it a device backend's kernel compilation and CUDA-graph capture, whose
+time per capture is reported apart, as ``capture_s``). ``llama_bench`` runs llama.cpp's
+llama-bench on the same file for comparison. This module returns records; apps/bench.py
+prints them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ class BenchRecord:
     ttft_ms: float | None = None  # time to first token: the prompt's forward pass (pp tests)
     load_s: float | None = None
     peak_rss: int | None = None  # bytes, high-water mark while this model was benchmarked
+    # device backends (torch on CUDA): bytes/s the device's memory moves at most, peak device
+    # memory while benchmarked, weights and KV cache as held there, graph capture time
+    peak_bandwidth: float | None = None
+    peak_device_memory: int | None = None
+    device_weight_bytes: int | None = None
+    kv_bytes: int | None = None
+    capture_s: float | None = None
 
     @property
     def mean(self) -> float:
@@ -51,6 +60,11 @@ class BenchRecord:
     def bandwidth(self) -> float:
         """Effective weight bandwidth in bytes/second: weight bytes per token x tokens/s."""
         return self.weight_bytes_per_token * self.mean
+
+    @property
+    def bandwidth_share(self) -> float | None:
+        """Weight bandwidth as a share of the device's peak, where the peak is known."""
+        return self.bandwidth / self.peak_bandwidth if self.peak_bandwidth else None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -143,9 +157,12 @@ def bench_model(model: str, backend: str = "auto", threads: int | None = None,
     load_s = time.perf_counter() - start
     tensors = read_gguf(loaded.path).tensors
     net, be = loaded.net, loaded.backend
+    on_device = getattr(be, "device_memory", lambda: None)()  # after load: the weights
+    described = getattr(be, "device_name", None)
     common = dict(model=loaded.name, size=loaded.path.stat().st_size,
                   params=sum(t.n_elements for t in tensors.values()),
-                  quant=quant_name(loaded.metadata), backend=be.name, device=device_name(),
+                  quant=quant_name(loaded.metadata), backend=be.name,
+                  device=described() if described else device_name(),
                   threads=int(getattr(be, "threads", threads or 1)),
                   weight_bytes_per_token=weights_read_per_token(tensors), load_s=load_s)
     del tensors
@@ -167,8 +184,17 @@ def bench_model(model: str, backend: str = "auto", threads: int | None = None,
         times = [_time_generation(net, make_cache, n_gen, 100) for _ in range(repetitions)]
         records.append(BenchRecord(**common, test=f"tg{n_gen}",
                                    samples=[n_gen / t for t in times]))
+    memory = getattr(be, "device_memory", lambda: None)()
+    graphs = getattr(be, "graphs", None)
     for r in records:
         r.peak_rss = peak_rss()
+        r.peak_bandwidth = getattr(be, "peak_bandwidth", lambda: None)()
+        if memory is not None:
+            r.peak_device_memory = memory["peak"]
+            r.device_weight_bytes = on_device["active"] if on_device else None
+            r.kv_bytes = make_cache().nbytes
+        if graphs is not None and getattr(graphs, "captures", 0):
+            r.capture_s = graphs.capture_seconds / graphs.captures
     return records
 
 

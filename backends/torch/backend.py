@@ -1,0 +1,356 @@
+"""The torch backend: every Backend op in torch, on CUDA (device "auto" picks it when there is
+one) or on the CPU.
+
+On CUDA the weights stay quantized: each matrix is repacked at load into the planes of
+``packing.py`` (the file's own numbers, laid out for wide loads), read by the triton kernels of
+``kernels.py``: a mat-vec for up to 8 tokens (decode, speculative checks), dequantization to
+f16 tiles for a cuBLAS GEMM above that (prefill). Activations are rounded to 8-bit blocks of 32
+before every quantized matmul, as llama.cpp's CUDA backend rounds them. Attention runs
+``scaled_dot_product_attention`` over the f16 cache with the cache's mask (sliding windows
+included). The KV cache lives on the device; single-token decode steps replay a CUDA graph
+(``graphs.py``).
+
+On the CPU (tests, or machines without CUDA) the same planes are expanded once to f32 and
+multiplied by torch's BLAS, with the same activation rounding; the triton kernels are tested
+against the numpy reference under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edgellm.converters.gguf_reader import QTensor
+from edgellm.quants import Q
+
+from ..base import Backend
+from .packing import KINDS, Planes, dequantize_planes, pack
+
+_MAGIC = 12582912.0  # see kernels._MAGIC
+#: activations are rounded to 8 bits per this many values before a quantized matmul, for
+#: every block type, as llama.cpp's CUDA backend does (q8_1 blocks of 32). Gemma 3 agrees
+#: with llama.cpp's reference at 346/356 positions this way; with the CPU's per-256 blocks
+#: against K-quants 341 (< 97%), without rounding 347, but then Qwen2.5-1.5B's first
+#: position (activations in the thousands) follows f32, not llama.cpp.
+ACT_BLOCK = 32
+
+
+@dataclass
+class TorchWeight:
+    """A weight matrix (rows, cols): packed planes (quantized types) or a dense tensor."""
+
+    qtype: Q
+    rows: int
+    cols: int
+    planes: Planes | None = None
+    dense: torch.Tensor | None = None  # f32 (CPU, or float types)
+
+    @property
+    def quantized(self) -> bool:
+        return self.qtype in KINDS
+
+    @property
+    def nbytes(self) -> int:
+        total = self.planes.nbytes if self.planes is not None else 0
+        if self.dense is not None:
+            total += self.dense.numel() * self.dense.element_size()
+        return total
+
+
+def round_activations_torch(x: torch.Tensor) -> torch.Tensor:
+    """x (n, K) f32 rounded to 8-bit blocks of 32 (torch ops; the triton kernel does the same
+    in one launch): q = rint(x * 127/amax), d = f16(amax/127), x86 Q8_0's arithmetic."""
+    n, K = x.shape
+    xb = x.reshape(n, K // ACT_BLOCK, ACT_BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    empty = amax == 0
+    safe = torch.where(empty, torch.ones_like(amax), amax)
+    q = ((xb * (127.0 / safe)) + _MAGIC) - _MAGIC
+    scale = torch.where(empty, torch.zeros_like(amax), safe / 127.0).half().float()
+    return (q * scale).reshape(n, K)
+
+
+class KVStorage(torch.Tensor):
+    """A KV cache's storage tensor: ``store[slots] = k`` converts k to the storage's dtype
+    (f32 keys into an f16 cache), as numpy's item assignment does."""
+
+    def __setitem__(self, idx, value):
+        if isinstance(value, torch.Tensor) and value.dtype != self.dtype:
+            value = value.to(self.dtype)
+        super().__setitem__(idx, value)
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    return x.as_subclass(torch.Tensor) if type(x) is not torch.Tensor else x
+
+
+class TorchBackend(Backend):
+    """Backend ops in torch. ``device``: "auto" (cuda when available), "cuda" or "cpu".
+
+    ``triton=True`` on the CPU runs the GPU path (packed weights, triton kernels) in triton's
+    interpreter (``TRITON_INTERPRET=1`` before triton is imported): slow, for tests only.
+    """
+
+    name = "torch"
+    ggml_numerics = False
+
+    def __init__(self, threads: int | None = None, device: str = "auto", triton: bool = False):
+        super().__init__(threads)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError("torch backend: CUDA requested but torch sees no GPU")
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if threads and not self.cuda:
+            torch.set_num_threads(int(threads))
+        self.threads = int(threads or torch.get_num_threads())
+        self.kernels = None
+        if triton and not self.cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("torch backend: triton on the CPU needs TRITON_INTERPRET=1")
+        if self.cuda or triton:
+            from . import kernels
+
+            self.kernels = kernels
+        self._tables: dict[tuple, TorchWeight] = {}  # embedding tables by tensor identity
+        self._consts: dict[tuple, torch.Tensor] = {}  # rope frequencies etc., on the device
+        self._rope_memo: tuple = (None, {})  # (positions object, {params: (cos, sin)})
+        self.graphs = None
+        if self.cuda and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0":
+            from .graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
+
+    # -- weights -------------------------------------------------------------------------
+    def _weight(self, tensor: QTensor) -> TorchWeight:
+        rows, cols = int(np.prod(tensor.shape[:-1])), int(tensor.shape[-1])
+        w = TorchWeight(tensor.qtype, rows, cols)
+        if tensor.qtype in KINDS:
+            planes = pack(tensor.data.reshape(rows, -1), tensor.qtype, rows, cols)
+            for key, a in planes.arrays().items():
+                setattr(planes, key, torch.from_numpy(a).to(self.device))
+            w.planes = planes
+        else:
+            w.dense = torch.from_numpy(
+                np.ascontiguousarray(tensor.dequantize(), np.float32).reshape(rows, cols)
+            ).to(self.device)
+        return w
+
+    @staticmethod
+    def _key(tensor: QTensor) -> tuple:
+        return (int(tensor.data.ctypes.data), tensor.data.shape, int(tensor.qtype))
+
+    def prepare(self, tensor: QTensor) -> TorchWeight:
+        w = self._tables.get(self._key(tensor))  # a tied output: the embedding's own planes
+        if w is None:
+            w = self._weight(tensor)
+        if self.kernels is None and w.dense is None:
+            # CPU: expanded once to f32 for BLAS; a tied table keeps its planes for lookups
+            w.dense = dequantize_planes(w.planes, torch).contiguous()
+            if self._key(tensor) not in self._tables:
+                w.planes = None
+        return w
+
+    def prepare_embedding(self, tensor: QTensor) -> TorchWeight:
+        w = self._weight(tensor)
+        self._tables[self._key(tensor)] = w
+        return w
+
+    def prepare_vector(self, tensor: QTensor) -> torch.Tensor:
+        return self.asarray(np.array(tensor.dequantize(), dtype=np.float32))
+
+    # -- data movement -------------------------------------------------------------------
+    def asarray(self, values) -> torch.Tensor:
+        if isinstance(values, torch.Tensor):
+            return values.to(self.device)
+        a = np.asarray(values)
+        a = np.ascontiguousarray(a, dtype=np.float16 if a.dtype == np.float16 else np.float32)
+        return torch.from_numpy(a).to(self.device)
+
+    def to_numpy(self, x) -> np.ndarray:
+        if isinstance(x, torch.Tensor):
+            return x.detach().to(torch.float32).cpu().numpy()
+        return np.asarray(x, dtype=np.float32)
+
+    def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> torch.Tensor:
+        t = torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device)
+        return t.as_subclass(KVStorage)
+
+    def index(self, idx) -> torch.Tensor:
+        """Integer indices as a device int64 tensor (the cache's slot writes)."""
+        return self._index(idx)
+
+    def device_memory(self) -> dict[str, int] | None:
+        if not self.cuda:
+            return None
+        return {"active": int(torch.cuda.memory_allocated(self.device)),
+                "peak": int(torch.cuda.max_memory_allocated(self.device))}
+
+    def write_rows(self, dst: torch.Tensor, rows, src) -> None:
+        """dst[rows] = src, converted to dst's dtype (the KV cache's writes)."""
+        idx = self._index(rows)
+        dst.index_copy_(0, idx, self.asarray(src).to(dst.dtype))
+
+    def _index(self, ids) -> torch.Tensor:
+        if isinstance(ids, torch.Tensor):
+            return ids.to(self.device, torch.int64)
+        return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)).to(
+            self.device)
+
+    # -- ops -----------------------------------------------------------------------------
+    def embed(self, table: TorchWeight, ids) -> torch.Tensor:
+        idx = self._index(ids)
+        if table.dense is not None and table.planes is None:
+            return table.dense[idx]
+        if self.kernels is not None:
+            return self.kernels.dequantize(table.planes, torch.float32, idx)
+        rows = Planes(table.qtype, len(idx), table.cols, table.planes.padded,
+                      **{k: a[idx] for k, a in table.planes.arrays().items()})
+        return dequantize_planes(rows, torch)
+
+    def _round(self, x: torch.Tensor, qtype: Q) -> torch.Tensor:
+        if qtype not in KINDS:
+            return x
+        if self.kernels is not None:
+            return self.kernels.round_activations(x)
+        return round_activations_torch(x)
+
+    def matmul(self, x, weight: TorchWeight, bias=None) -> torch.Tensor:
+        x = self.asarray(x).contiguous()
+        return self._matmul_rounded(self._round(x, weight.qtype), weight, bias)
+
+    def matmuls(self, x, weights: tuple, biases: tuple | None = None) -> list:
+        """Several projections of one input, its activations rounded once."""
+        x = self.asarray(x).contiguous()
+        biases = biases or (None,) * len(weights)
+        rounded: dict = {}
+        out = []
+        for w, b in zip(weights, biases, strict=True):
+            if w.quantized not in rounded:
+                rounded[w.quantized] = self._round(x, w.qtype)
+            out.append(self._matmul_rounded(rounded[w.quantized], w, b))
+        return out
+
+    def _matmul_rounded(self, x: torch.Tensor, w: TorchWeight, bias) -> torch.Tensor:
+        n = x.shape[0]
+        if w.dense is not None:
+            out = x @ w.dense.T
+            return out + bias if bias is not None else out
+        if n <= self.kernels.MATVEC_MAX_TOKENS:
+            return self.kernels.qmatvec(x, w.planes, bias)
+        half = torch.float16 if self.cuda else torch.float32  # (CPU f16 GEMMs are slow)
+        dense = self.kernels.dequantize(w.planes, half)  # (rows, cols)
+        out = (x.to(half) @ dense.T).float()
+        return out + bias if bias is not None else out
+
+    def rms_norm(self, x, weight, eps: float) -> torch.Tensor:
+        x = self.asarray(x)
+        if self.kernels is not None and x.is_contiguous():
+            return self.kernels.rms_norm(x, weight, eps)
+        ms = x.square().mean(-1, keepdim=True)
+        return x / torch.sqrt(ms + eps) * weight
+
+    def _device_const(self, key: tuple, make) -> torch.Tensor:
+        t = self._consts.get(key)
+        if t is None:
+            t = self._consts[key] = torch.from_numpy(make()).to(self.device)
+        return t
+
+    def rope_tables(self, positions, hd: int, theta: float, freq_factors=None,
+                    freq_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (n, hd/2) f32 of positions (n,) (numpy, or a device tensor under CUDA
+        graphs), angles in f64; memoized for the step (every layer's positions object)."""
+        memo_pos, memo = self._rope_memo
+        if memo_pos is not positions:
+            memo = {}
+            self._rope_memo = (positions, memo)
+        ff_key = None if freq_factors is None else id(freq_factors)
+        key = (hd, float(theta), float(freq_scale), ff_key)
+        if key in memo:
+            return memo[key]
+
+        def inv_freq():
+            f = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd) * freq_scale
+            if freq_factors is not None:
+                f = f / np.asarray(freq_factors, dtype=np.float64)
+            return f
+
+        if isinstance(positions, torch.Tensor):
+            freqs = self._device_const(("inv_freq",) + key, inv_freq)
+            angles = positions.to(torch.float64)[:, None] * freqs[None, :]
+            tables = (torch.cos(angles).float(), torch.sin(angles).float())
+        else:
+            angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq()[None, :]
+            tables = (self.asarray(np.cos(angles)), self.asarray(np.sin(angles)))
+        memo[key] = tables
+        return tables
+
+    def rope(self, x, positions, theta, neox, freq_factors=None, freq_scale=1.0):
+        x = self.asarray(x)
+        hd = x.shape[-1]
+        cos, sin = self.rope_tables(positions, hd, theta, freq_factors, freq_scale)
+        if self.kernels is not None:
+            return self.kernels.rope(x.contiguous(), cos, sin, neox)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # (n, 1, hd/2)
+        if neox:
+            a, b = x[..., : hd // 2], x[..., hd // 2:]
+            return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).reshape(x.shape)
+
+    def attention(self, q, k, v, mask, scale, softcap=0.0) -> torch.Tensor:
+        """q (n, H, hd) f32; k/v (T, KVH, hd) (the cache's dtype); mask (n, T) bool."""
+        q, k, v = _plain(self.asarray(q)), _plain(self.asarray(k)), _plain(self.asarray(v))
+        n, H, hd = q.shape
+        kvh = k.shape[1]
+        if not isinstance(mask, torch.Tensor):
+            mask = torch.from_numpy(np.ascontiguousarray(mask, dtype=bool)).to(self.device)
+        dtype = k.dtype if self.cuda else torch.float32  # f16 on the GPU, as the cache
+        qh = q.to(dtype).transpose(0, 1)[None]  # (1, H, n, hd)
+        kh = k.to(dtype).transpose(0, 1)[None]  # (1, KVH, T, hd)
+        vh = v.to(dtype).transpose(0, 1)[None]
+        if softcap:
+            group = H // kvh
+            kx = kh.repeat_interleave(group, dim=1).float()
+            scores = (qh.float() @ kx.transpose(-1, -2)) * scale
+            scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~mask[None, None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out = probs @ vh.repeat_interleave(group, dim=1).float()
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[None, None],
+                                                 scale=scale, enable_gqa=kvh != H)
+        return out[0].transpose(0, 1).float()  # (n, H, hd)
+
+    def silu_mul(self, gate, up) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.glu(gate.contiguous(), up.contiguous(), False)
+        return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate, up) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.glu(gate.contiguous(), up.contiguous(), True)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def softcap(self, x, cap: float) -> torch.Tensor:
+        return torch.tanh(x / cap) * cap
+
+    # -- device facts --------------------------------------------------------------------
+    def device_name(self) -> str:
+        if not self.cuda:
+            return f"CPU torch {torch.__version__} ({self.threads} threads)"
+        props = torch.cuda.get_device_properties(self.device)
+        return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+
+    def peak_bandwidth(self) -> float | None:
+        """The device's memory bandwidth in bytes/s from its clock and bus width, if known."""
+        if not self.cuda:
+            return None
+        props = torch.cuda.get_device_properties(self.device)
+        clock = getattr(props, "memory_clock_rate", 0)  # kHz
+        width = getattr(props, "memory_bus_width", 0)  # bits
+        return 2.0 * clock * 1e3 * width / 8 if clock and width else None
