@@ -105,7 +105,9 @@ def plan_conversion(src: str | os.PathLike, outtype: str = "f16",
     metadata = _metadata(folder, spec, kind, name, n_params)
     missing = []
     if imatrix is not None:
+        # the embedding is a lookup and the output matrix is not recorded by default
         missing = [t.name for t in tensors if t.qtype not in (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
+                   and t.name not in ("token_embd.weight", "output.weight")
                    and imatrix.weights(t.name) is None]
     return ConversionPlan(folder, spec, kind, tensors, metadata, imatrix, missing)
 
@@ -212,9 +214,9 @@ def _put(writer: Any, key: str, value: Any) -> None:
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, outtype: str = "f16",
             imatrix: ImportanceMatrix | None = None, progress: Progress | None = None,
-            threads: int | None = None) -> ConversionPlan:
+            threads: int | None = None, name: str | None = None) -> ConversionPlan:
     """Plan and write in one call; returns the plan (types, fallbacks, sizes)."""
-    plan = plan_conversion(src, outtype, imatrix)
+    plan = plan_conversion(src, outtype, imatrix, name=name)
     check_writable(Path(out))
     write_gguf(plan, out, progress, threads)
     return plan

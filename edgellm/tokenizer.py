@@ -34,9 +34,15 @@ _QWEN2_PATTERN = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
     r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# LLAMA_VOCAB_PRE_TYPE_LLAMA3 ("llama-bpe"): digits in runs of up to three
+_LLAMA3_PATTERN = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _BPE_PRE_PATTERNS = {
     "qwen2": _QWEN2_PATTERN,
     "deepseek-r1-qwen": _QWEN2_PATTERN,
+    "llama-bpe": _LLAMA3_PATTERN,
 }
 
 # Token texts llama.cpp treats as end-of-generation (its special_eog_ids list), plus the
