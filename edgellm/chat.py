@@ -2,7 +2,8 @@
 the conversation state that keeps the KV cache warm across turns.
 
 GGUF files carry the HF chat template in ``tokenizer.chat_template``. It is untrusted text,
-so it runs in Jinja's immutable sandbox. Models without one get a plain ChatML fallback.
+so it runs in Jinja's immutable sandbox, bounded in steps, time and size
+(``edgellm.template_sandbox``). Models without one get a plain ChatML fallback.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edgellm.atomic import atomic_write_text
 from edgellm.cache import POLICIES, ContextOverflow
 from edgellm.generate import GenerationResponse, stream_generate
 from edgellm.sampling import SamplingParams
+from edgellm.template_sandbox import make_environment, render_bounded
 
 if TYPE_CHECKING:
     from edgellm.api import Model
@@ -47,8 +48,7 @@ def _raise(message: str) -> None:
 
 @lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = make_environment()  # the immutable sandbox, bounded in steps, time and size
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
@@ -64,8 +64,10 @@ def render_chat(template: str | None, messages: Sequence[Message], *, bos_token:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise TemplateError(f"a chat message needs 'role' and 'content': {m!r}")
     try:
-        return _compile(template or FALLBACK_TEMPLATE).render(
-            messages=list(messages), bos_token=bos_token, eos_token=eos_token,
+        return render_bounded(
+            _compile(template or FALLBACK_TEMPLATE), passthrough=(TemplateError,),
+            messages=list(messages),
+            bos_token=bos_token, eos_token=eos_token,
             add_generation_prompt=add_generation_prompt,
         )
     except TemplateError:
@@ -136,7 +138,7 @@ class ChatSession:
     def send(self, text: str) -> Iterator[ChatEvent]:
         """Add a user turn and stream the assistant's reply."""
         self.messages.append({"role": "user", "content": text})
-        return self._reply()
+        return self._reply(added_user=True)
 
     def regen(self) -> Iterator[ChatEvent]:
         """Drop the last assistant reply and stream a new one to the same user turn."""
@@ -235,8 +237,13 @@ class ChatSession:
         return self.model.make_cache(max_tokens, policy=self.policy)
 
     # -- one reply --------------------------------------------------------------------------
-    def _reply(self) -> Iterator[ChatEvent]:
-        ids, notices = self._render_within_budget()
+    def _reply(self, added_user: bool = False) -> Iterator[ChatEvent]:
+        try:
+            ids, notices = self._render_within_budget()
+        except TemplateError:  # the template refused: the turn is not kept, the chat goes on
+            if added_user and self.messages and self.messages[-1]["role"] == "user":
+                self.messages.pop()
+            raise
         yield from notices
         reused = self._reuse_prefix(ids)
         tokens: list[int] = []
