@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 from edgellm.config import ModelArgs
+from edgellm.model_checks import check_finite, check_shapes, release_file_pages
 
 # general.architecture -> module (relative to this package) defining ``Model``
 ARCHITECTURES: dict[str, str] = {
@@ -27,4 +28,11 @@ def model_class(architecture: str) -> type:
 def build_model(metadata: dict, tensors: dict, backend):
     """ModelArgs from the metadata, then the architecture's Model over the backend."""
     cls = model_class(str(metadata.get("general.architecture", "")))
-    return cls(ModelArgs.from_metadata(metadata), backend, tensors)
+    args = ModelArgs.from_metadata(metadata)
+    # shapes against the metadata and no NaN/inf scales, before any kernel sees a tensor
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    check_shapes(args, tensors, None if tokens is None else len(tokens))
+    check_finite(tensors)
+    net = cls(args, backend, tensors)
+    release_file_pages(tensors)  # the check read every page; keep resident only what is used
+    return net
