@@ -93,12 +93,15 @@ class TorchBackend(Backend):
 
     ``triton=True`` on the CPU runs the GPU path (packed weights, triton kernels) in triton's
     interpreter (``TRITON_INTERPRET=1`` before triton is imported): slow, for tests only.
+    ``graphs``: replay decode steps as CUDA graphs (default: on CUDA, unless
+    EDGELLM_CUDA_GRAPHS=0); on the CPU the same static-buffer steps run eagerly (tests).
     """
 
     name = "torch"
     ggml_numerics = False
 
-    def __init__(self, threads: int | None = None, device: str = "auto", triton: bool = False):
+    def __init__(self, threads: int | None = None, device: str = "auto", triton: bool = False,
+                 graphs: bool | None = None):
         super().__init__(threads)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,7 +123,9 @@ class TorchBackend(Backend):
         self._consts: dict[tuple, torch.Tensor] = {}  # rope frequencies etc., on the device
         self._rope_memo: tuple = (None, {})  # (positions object, {params: (cos, sin)})
         self.graphs = None
-        if self.cuda and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0":
+        if graphs is None:
+            graphs = self.cuda and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0"
+        if graphs:
             from .graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)

@@ -34,11 +34,14 @@ MAX_GRAPHS_PER_MODEL = 4
 class _StepLayer:
     """Model.attention's view of one layer inside a captured step."""
 
-    def __init__(self, store: FloatStore, slot: torch.Tensor, mask: torch.Tensor):
-        self.store, self.slot, self.mask = store, slot, mask
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor,
+                 mask: torch.Tensor):
+        self.keys, self.values, self.slot, self.mask = keys, values, slot, mask
 
     def update_and_fetch(self, k, v):
-        keys, values = self.store.keys, self.store.values
+        """Write k, v (1, KVH, hd) at the static slot; the storage (slots, KVH, hd) and the
+        static mask (1, slots) to attend with."""
+        keys, values = self.keys, self.values
         keys.index_copy_(0, self.slot, k.to(keys.dtype))
         values.index_copy_(0, self.slot, v.to(values.dtype))
         return keys, values, self.mask
@@ -55,6 +58,7 @@ class _Graph:
     dev_masks: torch.Tensor
     mask_spans: list  # (start, length) of each group's mask in the flat buffer
     stores: list = field(default_factory=list)  # (keys, values) per layer
+    inputs: tuple | None = None  # (ids, positions, layer views) over the static buffers
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
     token: torch.Tensor | None = None  # argmax of the logits, on the device
@@ -66,16 +70,22 @@ def _signature(cache: KVCache) -> tuple:
 
 
 def supported(cache: KVCache) -> bool:
-    """Can this cache's steps run as a graph? (f16/f32 device storage, no sink tokens)"""
+    """Can this cache's steps run as a graph? (f16/f32 torch storage, no sink tokens)"""
     return all(isinstance(layer.store, FloatStore) and isinstance(layer.store.keys, torch.Tensor)
-               and layer.store.keys.is_cuda and layer.plan.keep == 0 for layer in cache.layers)
+               and layer.plan.keep == 0 for layer in cache.layers)
 
 
 class DecodeGraphs:
-    """Captures and replays single-token decode steps for a TorchBackend on CUDA."""
+    """Captures and replays single-token decode steps for a TorchBackend on CUDA.
+
+    On the CPU (``capture`` False: tests) the same static-buffer step runs eagerly each time,
+    so everything but the capture itself (the host books, the buffers, adoption) is tested
+    without a GPU.
+    """
 
     def __init__(self, backend):
         self.backend = backend
+        self.capture = backend.cuda
         self._graphs: dict[int, list[_Graph]] = {}
         self.capture_seconds = 0.0  # total time spent capturing (reported apart from speed)
         self.captures = 0
@@ -91,9 +101,15 @@ class DecodeGraphs:
         self._advance(g, cache, int(tokens[0]), int(positions[0]))
         g.dev_i64.copy_(g.host_i64, non_blocking=True)
         g.dev_masks.copy_(g.host_masks, non_blocking=True)
-        if g.graph is None:
-            self._capture(model, cache, g)
-        g.graph.replay()
+        if g.inputs is None:
+            g.inputs = self._inputs(cache, g)
+        if not self.capture:
+            self.backend._rope_memo = (None, {})  # same positions tensor, new value
+            g.logits, g.token = _step(model, *g.inputs)
+        else:
+            if g.graph is None:
+                self._capture(model, g)
+            g.graph.replay()
         self.last_token = g.token
         return g.logits.cpu().numpy()
 
@@ -147,26 +163,31 @@ class DecodeGraphs:
             spans.append((total, length))
             total += length
         dev = self.backend.device
-        host_i64 = torch.zeros(2 + len(group_list), dtype=torch.int64).pin_memory()
-        host_masks = torch.zeros(total, dtype=torch.bool).pin_memory()
+        host_i64 = torch.zeros(2 + len(group_list), dtype=torch.int64)
+        host_masks = torch.zeros(total, dtype=torch.bool)
+        if self.capture:  # pinned: copied to the device without a stall
+            host_i64, host_masks = host_i64.pin_memory(), host_masks.pin_memory()
         return _Graph(sig, weakref.ref(cache), group_list, host_i64, host_masks,
                       host_i64.to(dev), host_masks.to(dev), spans,
                       stores=[(layer.store.keys, layer.store.values) for layer in cache.layers])
 
-    def _capture(self, model, cache: KVCache, g: _Graph) -> None:
-        """Warm up (triton compiles) on a side stream, then capture one step. Both write only
-        the slot this step writes anyway, which the replay then overwrites."""
-        start = time.perf_counter()
-        ids = g.dev_i64[0:1]
-        positions = g.dev_i64[1:2]
-        layers = []
+    @staticmethod
+    def _inputs(cache: KVCache, g: _Graph) -> tuple:
+        """(ids (1,), positions (1,), per-layer views) over the graph's device buffers."""
+        layers = {}
         for gi, layer_ids in enumerate(g.groups):
             s, length = g.mask_spans[gi]
             slot = g.dev_i64[2 + gi:3 + gi]
             mask = g.dev_masks[s:s + length].view(1, length)
             for li in layer_ids:
-                layers.append((li, _StepLayer(cache.layers[li].store, slot, mask)))
-        view = [layer for _, layer in sorted(layers, key=lambda t: t[0])]
+                layers[li] = _StepLayer(*g.stores[li], slot, mask)
+        return g.dev_i64[0:1], g.dev_i64[1:2], [layers[i] for i in range(len(layers))]
+
+    def _capture(self, model, g: _Graph) -> None:
+        """Warm up (triton compiles) on a side stream, then capture one step. Both write only
+        the slot this step writes anyway, which the replay then overwrites."""
+        start = time.perf_counter()
+        ids, positions, view = g.inputs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -1,0 +1,141 @@
+"""The torch backend on whole models.
+
+CPU torch (always, where torch is installed): the three real models' decode path (the prompt
+in one pass, then each greedy token alone, as generation runs) teacher-forced against
+llama.cpp's greedy outputs, with the bounds of tests/test_cpu_models.py: top-1 equal at >= 97%
+of positions and at every position whose reference margin is >= 1.0. (tests/test_models.py
+runs every backend, torch included, over prompt + greedy ids in one pass.)
+
+A tiny model: decode steps through graphs.py (CUDA graphs on a GPU; the same static-buffer
+steps run eagerly on the CPU) equal plain steps, across speculative rollbacks, fresh caches
+(graphs adopted) and wrapping ring caches; the GPU path (triton kernels, in the interpreter
+without a GPU) follows CPU torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():  # the triton path runs in the interpreter (before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import edgellm  # noqa: E402
+from tests.reference_checks import MIN_TOP1_AGREEMENT, load_reference  # noqa: E402
+from tests.test_cpu_models import decode_agreement  # noqa: E402
+
+# prompts per model (of 8): CPU torch runs f32 weights, so the 1.5B gets fewer
+ENTRIES = {"qwen2.5-coder-0.5b-instruct": 6, "gemma-3-270m": 8, "qwen2.5-coder-1.5b-instruct": 3}
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ENTRIES))
+def test_decode_teacher_forced_matches_llama_cpp(model_path, name):
+    model_path(name)
+    model = edgellm.load(name, backend="torch")
+    matches, positions, worst = decode_agreement(model, load_reference(name), ENTRIES[name])
+    print(f"{name} [torch/{model.net.backend.device}]: {matches}/{positions}, "
+          f"largest missed margin {worst:.3f}")
+    assert worst < 1.0
+    assert matches / positions >= MIN_TOP1_AGREEMENT
+
+
+def _tiny_net(tmp_path, qtype, backend, window: int = 0):
+    """A tiny random Llama (d 256, 3 layers, GQA) of ``qtype`` blocks on ``backend``;
+    ``window``: every layer a sliding-window layer of that size (ring caches)."""
+    from dataclasses import replace
+
+    from edgellm.converters.gguf_reader import read_gguf
+    from edgellm.models import build_model
+    from tests.tiny_models import TinyConfig, write_tiny_llama
+
+    cfg = TinyConfig(d_model=256, n_heads=4, n_kv_heads=2, d_ff=512, n_layers=3, qtype=qtype)
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    if not path.exists():
+        write_tiny_llama(path, cfg)
+    gguf = read_gguf(path)
+    net = build_model(gguf.metadata, gguf.tensors, backend)
+    if window:
+        net.args = replace(net.args, sliding_window=window)
+    return net
+
+
+def _decode(net, cache, tokens):
+    return np.stack([net.forward(np.array([t]), cache)[0] for t in tokens])
+
+
+def _graph_backend():
+    """CUDA with graphs captured, or (no GPU) CPU torch running the same static-buffer
+    steps eagerly: everything of graphs.py but the capture itself."""
+    from edgellm.backends.torch import TorchBackend
+
+    return TorchBackend(graphs=True)
+
+
+@pytest.mark.parametrize("qtype_name,window", [("Q8_0", 0), ("Q4_0", 0), ("Q5_0", 5)])
+def test_decode_graphs_equal_plain_steps(tmp_path, qtype_name, window):
+    """Decode steps through graphs.py equal Model.forward's own steps: across a speculative
+    rollback, a fresh cache (which adopts the graph: no second capture), and (window) ring
+    caches that wrap, with a second, differently planned group of layers."""
+    from edgellm.cache import CacheConfig
+    from edgellm.quants import Q
+
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q[qtype_name], backend, window)
+    if window:  # layers 0, 2 windowed (ring of window + reserve), layer 1 global
+        net.layer_window = lambda i: 0 if i == 1 else window
+    prompt = [1, 5, 9, 200, 7, 3]
+    steps = [11 + (7 * i) % 250 for i in range(40 if window else 8)]
+    graphs = backend.graphs
+    config = CacheConfig(max_tokens=80, reserve=4)
+
+    def run(use_graphs: bool, trim: int = 3):
+        backend.graphs = graphs if use_graphs else None
+        cache = net.make_cache(config=config)
+        net.forward(np.array(prompt), cache)
+        out = _decode(net, cache, steps)
+        cache.trim(trim)  # a speculative rollback, then other tokens
+        out = np.concatenate([out, _decode(net, cache, steps[:trim])])
+        backend.graphs = graphs
+        return out, cache
+
+    eager, eager_cache = run(False)
+    replayed, cache = run(True)
+    if window:
+        assert len({layer.plan for layer in cache.layers}) == 2
+        assert cache.layers[0].plan.is_ring and cache.offset > cache.layers[0].plan.slots
+    np.testing.assert_allclose(replayed, eager, rtol=1e-4, atol=1e-4)  # RoPE: device f64
+    assert np.array_equal(replayed.argmax(-1), eager.argmax(-1))
+    for mine, theirs in zip(cache.layers, eager_cache.layers, strict=True):
+        assert np.array_equal(mine.slot_pos, theirs.slot_pos) and mine.offset == theirs.offset
+    del cache
+    again, _ = run(True)  # a fresh cache adopts the graph of the one just dropped
+    np.testing.assert_array_equal(again, replayed)
+    assert graphs.captures == (1 if graphs.capture else 0)
+
+
+def test_triton_path_follows_cpu_torch(tmp_path):
+    """The GPU path (packed planes, triton mat-vec for <= 8 tokens, dequantized GEMM tiles
+    above, triton norms/RoPE/GLUs), here in triton's interpreter unless there is a GPU,
+    against CPU torch's f32 weights: a 12-token prompt and 3 decode steps."""
+    from edgellm.backends.torch import TorchBackend
+    from edgellm.quants import Q
+
+    if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton's interpreter was not enabled before triton was imported")
+    pytest.importorskip("triton")
+    fast = TorchBackend(graphs=False) if CUDA else TorchBackend(device="cpu", triton=True)
+    outs = []
+    for backend in (fast, TorchBackend(device="cpu")):
+        net = _tiny_net(tmp_path, Q.Q4_0, backend)
+        cache = net.make_cache(64)
+        logits = net.forward(np.array([1, *range(40, 51)]), cache, all_logits=True)
+        outs.append(np.concatenate([logits, _decode(net, cache, [60, 61, 62])]))
+    fast_out, cpu = outs
+    assert np.array_equal(fast_out.argmax(-1), cpu.argmax(-1))
+    # f16 attention and prefill GEMM on a GPU; the same f32 arithmetic in the interpreter
+    assert np.abs(fast_out - cpu).max() <= (2e-2 if CUDA else 1e-3) * np.abs(cpu).max()
