@@ -18,8 +18,16 @@ _REGISTRY: dict[str, tuple] = {
     "mlx": (".mlx", "MlxBackend"),
 }
 
-#: Tried in order by ``get_backend("auto")``.
+#: Tried in order by ``get_backend("auto")`` (after "torch" where there is an NVIDIA GPU).
 AUTO_ORDER: tuple[str, ...] = ("cpu", "numpy")
+
+
+def _nvidia_gpu() -> bool:
+    """An NVIDIA driver and torch are installed (cheap: torch is not imported here)."""
+    import importlib.util
+    import os
+
+    return os.path.exists("/dev/nvidiactl") and importlib.util.find_spec("torch") is not None
 
 
 def available_backends() -> list[str]:
@@ -38,11 +46,15 @@ def get_backend(name: str = "auto", **options) -> Backend:
     """A backend instance by name; "auto" picks the fastest that works here."""
     if name == "auto":
         errors = []
-        for candidate in AUTO_ORDER:
+        for candidate in (("torch",) if _nvidia_gpu() else ()) + AUTO_ORDER:
             try:
-                return get_backend(candidate, **options)
+                backend = get_backend(candidate, **options)
             except (ImportError, RuntimeError) as exc:
                 errors.append(f"{candidate}: {exc}")
+                continue
+            if candidate == "torch" and not getattr(backend, "cuda", False):
+                continue  # torch without CUDA is slower than the cpu backend
+            return backend
         raise RuntimeError("no backend works here: " + "; ".join(errors))
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}: choose one of auto, {', '.join(_REGISTRY)}")
