@@ -158,6 +158,8 @@ class Model:
         from edgellm.engine import Request
         from edgellm.sampling import SamplingParams
 
+        if self.closed:
+            raise ValueError("the model is closed: load it again")
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         return self.engine.submit(Request(ids, params or SamplingParams(), logprobs))
 
@@ -227,8 +229,11 @@ def _collect(handle: RequestHandle, on_token: Callable[[TokenEvent], Any] | None
 
 def load(model: str | os.PathLike = "qwen2.5-coder-0.5b-instruct", backend: str = "auto",
          threads: int | None = None, context_length: int | None = None,
-         cache: CacheConfig | None = None, progress: LoadProgress | None = None) -> Model:
-    """Load a model by catalog name or ``.gguf`` path onto a backend ("auto" = fastest here).
+         cache: CacheConfig | None = None, progress: LoadProgress | None = None,
+         quant: str = "q8_0") -> Model:
+    """Load a model by catalog name, ``.gguf`` path or Hugging Face model folder onto a backend
+    ("auto" = fastest here). A folder is converted in memory to ``quant`` (any type of
+    ``edgellm convert``), no file written.
 
     ``context_length`` caps the default KV cache (default: the model's own, at most 4096).
     ``cache`` sets the KV cache's budget (``max_tokens``/``max_bytes``: a byte budget sets the
@@ -237,8 +242,14 @@ def load(model: str | os.PathLike = "qwen2.5-coder-0.5b-instruct", backend: str 
     bytes prepared); an exception from it aborts the load.
     """
     report = progress or _no_progress
-    path = resolve_model(model)
-    gguf = read_gguf(path)
+    if Path(model).is_dir():  # a Hugging Face folder: converted in memory
+        from edgellm.converters.hf_convert import folder_as_gguf
+
+        path = Path(model)
+        gguf = folder_as_gguf(path, quant, threads)
+    else:
+        path = resolve_model(model)
+        gguf = read_gguf(path)
     report(0.02, "file")
     options = {"threads": threads} if threads else {}
     be = get_backend(backend, **options)

@@ -452,6 +452,7 @@ class CRequest:
             raise CapiError(INVALID_ARGUMENT, f"{what}: {exc}") from None
         if not prompt:
             raise CapiError(INVALID_ARGUMENT, f"{what}: the prompt is empty")
+        params = self._bounded(params, fields, len(prompt))
         with self.lock:
             if self.state != "new":
                 raise CapiError(BUSY, "this request already ran (a request runs once: create "
@@ -471,6 +472,25 @@ class CRequest:
                 raise CapiError(INVALID_HANDLE, "the model was freed") from None
             self.state = "running"
             self.events = iter(self.handle)
+
+    def _bounded(self, params, fields: dict[str, Any], prompt_tokens: int):
+        """max_tokens within what the sequence budget leaves after the prompt (as the
+        server does): all of it when the request does not say, refused when it asks more."""
+        from dataclasses import replace
+
+        ctx = self.entry.engine.ctx
+        room = ctx - prompt_tokens
+        if room < 1:
+            raise CapiError(CONTEXT, f"the prompt has {prompt_tokens} tokens but a sequence "
+                                     f"holds {ctx} (context_length): shorten it")
+        asked = fields.get("max_completion_tokens", fields.get("max_tokens"))
+        if asked is None:
+            return replace(params, max_tokens=room)
+        if asked > room:
+            raise CapiError(CONTEXT, f"max_tokens {asked} plus the prompt's {prompt_tokens} "
+                                     f"tokens exceed the {ctx}-token context: ask for at most "
+                                     f"{room}")
+        return params
 
     def next_chunk(self) -> str | None:
         """The next chunk's JSON, or None when the reply is complete (CapiError(CANCELLED)

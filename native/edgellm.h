@@ -179,7 +179,10 @@ EDGELLM_API edgellm_status edgellm_request_free(edgellm_request *request);
  * "stop" (a string or up to 4), "presence_penalty", "frequency_penalty", and the
  * non-OpenAI "top_k", "min_p", "repetition_penalty". "model" and "stream" are accepted and
  * ignored (the handle decides the model; replies always stream). Any other key is refused
- * with EDGELLM_ERR_INVALID_JSON naming it. on_chunk may be NULL (read the reply with
+ * with EDGELLM_ERR_INVALID_JSON naming it. Keys not given take edgellm's defaults
+ * (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; max_tokens: what the context leaves
+ * after the prompt); a prompt, or prompt plus max_tokens, beyond the context gives
+ * EDGELLM_ERR_CONTEXT. on_chunk may be NULL (read the reply with
  * edgellm_request_result). Blocks until the reply ends: EDGELLM_OK when it finished,
  * EDGELLM_ERR_CANCELLED when cancelled (chunks already delivered stay valid), another status
  * on failure. Any thread; many threads may run requests on one model at once. */

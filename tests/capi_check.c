@@ -2,7 +2,7 @@
  * capi_check.c: drives libedgellm (native/edgellm.h) for tests/test_capi.py, which compiles
  * it with the system's C compiler. Each mode prints "key value" lines the test reads:
  *
- *   capi_check bad MODEL MISSING_GGUF    every kind of bad input: "case NAME STATUS message"
+ *   capi_check bad MODEL MISSING GARBAGE every kind of bad input: "case NAME STATUS message"
  *   capi_check cancel MODEL              a reply cancelled from a second thread, then reused
  *   capi_check prefill MODEL             a 2000-token prompt cancelled during its prefill
  *   capi_check threads MODEL             four threads at once against their solo outputs
@@ -112,7 +112,7 @@ static void report(const char *name, edgellm_status status) {
     fflush(stdout);
 }
 
-static int bad_input(const char *model_name, const char *missing) {
+static int bad_input(const char *model_name, const char *missing, const char *garbage) {
     edgellm_model *model = NULL;
     edgellm_request *req = NULL;
     size_t n = 0;
@@ -139,6 +139,10 @@ static int bad_input(const char *model_name, const char *missing) {
                                                &model));
     snprintf(options, sizeof options, "{\"model\": \"%s\"}", missing);
     report("missing_file", edgellm_model_load(options, NULL, NULL, &model));
+    snprintf(options, sizeof options, "{\"model\": \"%s\"}", garbage);
+    report("not_a_model", edgellm_model_load(options, NULL, NULL, &model));
+    report("bad_backend", edgellm_model_load("{\"model\": \"gemma-3-270m\", \"backend\": "
+                                             "\"abacus\"}", NULL, NULL, &model));
     report("model_after_failures_is_null", model == NULL ? EDGELLM_OK : EDGELLM_ERR_INTERNAL);
 
     model = load(model_name, 1, 512);
@@ -185,6 +189,10 @@ static int bad_input(const char *model_name, const char *missing) {
                            "\"temperature\": -1}", &r, NULL));
     edgellm_request_create(model, &req);
     report("chat_null_json", edgellm_chat(req, NULL, NULL, NULL));
+    report("chat_beyond_context",
+           run_chat(model, "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+                           "\"max_tokens\": 100000}", &r, NULL));
+    report("complete_missing_prompt", edgellm_complete(req, "{\"max_tokens\": 3}", NULL, NULL));
     report("result_before_run", edgellm_request_result(req, NULL, 0, &n));
 
     /* a request runs once; the result's buffer too small */
@@ -473,8 +481,8 @@ int main(int argc, char **argv) {
         return 1;
     }
     printf("abi %u\n", edgellm_abi_version());
-    if (argc == 4 && !strcmp(argv[1], "bad"))
-        return bad_input(argv[2], argv[3]);
+    if (argc == 5 && !strcmp(argv[1], "bad"))
+        return bad_input(argv[2], argv[3], argv[4]);
     if (argc == 3 && !strcmp(argv[1], "cancel"))
         return cancel_reply(argv[2]);
     if (argc == 3 && !strcmp(argv[1], "prefill"))
