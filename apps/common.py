@@ -39,8 +39,12 @@ def add_model_args(parser: argparse.ArgumentParser, default_model: bool = True) 
     --policy, --keep."""
     parser.add_argument("-m", "--model", default=store.DEFAULT_MODEL if default_model else None,
                         required=not default_model,
-                        help="catalog name or path to a .gguf file "
-                        f"(default: {store.DEFAULT_MODEL})")
+                        help="catalog name, path to a .gguf file, or a Hugging Face model "
+                        f"folder (converted in memory; default: {store.DEFAULT_MODEL})")
+    parser.add_argument("--quant", default="q8_0",
+                        choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q4_k_m",
+                                 "q5_k_m", "q6_k"],
+                        help="type a Hugging Face folder is quantized to at load (q8_0)")
     parser.add_argument("--backend", default="auto", help="auto, cpu, numpy, torch, mlx")
     parser.add_argument("-t", "--threads", type=int, default=None,
                         help="CPU threads (default: physical cores)")
@@ -131,7 +135,8 @@ def load_from_args(args: argparse.Namespace):
     from edgellm.api import load
 
     return load(ensure_model(args.model), backend=args.backend, threads=args.threads,
-                context_length=args.ctx, cache=cache_config_from_args(args))
+                context_length=args.ctx, cache=cache_config_from_args(args),
+                quant=getattr(args, "quant", "q8_0"))
 
 
 def add_draft_args(parser: argparse.ArgumentParser) -> None:
@@ -155,7 +160,7 @@ def load_draft_from_args(args: argparse.Namespace, target):
     from edgellm.speculative import check_same_vocabulary
 
     draft = load(ensure_model(args.draft), backend=args.backend, threads=args.threads,
-                 context_length=target.context_length)
+                 context_length=target.context_length, quant=getattr(args, "quant", "q8_0"))
     check_same_vocabulary(target, draft)
     return draft
 

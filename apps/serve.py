@@ -73,7 +73,8 @@ def main(argv: list[str], command: str = "serve") -> int:
     max_body = parse_bytes(args.max_body)
     model = load(ensure_model(args.model), backend=args.backend, threads=args.threads,
                  context_length=args.ctx,
-                 cache=CacheConfig(dtype=KV_DTYPE_NAMES[args.kv_dtype], keep=args.keep))
+                 cache=CacheConfig(dtype=KV_DTYPE_NAMES[args.kv_dtype], keep=args.keep),
+                 quant=args.quant)
     engine = Engine(model, ctx=args.ctx, kv_budget=budget, max_seqs=args.parallel,
                     max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     app = create_app(engine, model_id(args), api_key=args.api_key,

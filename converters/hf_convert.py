@@ -222,13 +222,13 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, outtype: str = "f16"
     return plan
 
 
-def in_memory(src: str | os.PathLike, outtype: str = "q8_0",
-              threads: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(metadata, tensors) as ``read_gguf`` would give them for the converted file, built in
-    memory without writing one (``edgellm.load`` of a folder)."""
+def folder_as_gguf(src: str | os.PathLike, outtype: str = "q8_0",
+                   threads: int | None = None) -> Any:
+    """The ``GGUFFile`` that ``read_gguf`` would give for the converted file, built in memory
+    without writing one (``edgellm.load`` of a folder)."""
     import numpy as _np
 
-    from edgellm.converters.gguf_reader import QTensor
+    from edgellm.converters.gguf_reader import GGUFFile, QTensor
 
     plan = plan_conversion(src, outtype)
     metadata = dict(plan.metadata)
@@ -243,7 +243,7 @@ def in_memory(src: str | os.PathLike, outtype: str = "q8_0",
             tensors[t.name] = QTensor(t.name, t.qtype, t.shape, data)
     finally:
         plan.folder.close()
-    return metadata, tensors
+    return GGUFFile(Path(src), 3, metadata, tensors, 0, sum(t.nbytes for t in tensors.values()))
 
 
 def describe_rate(done: int, total: int, started: float) -> str:

@@ -327,3 +327,16 @@ def test_imatrix_from_our_runtime_round_trips_and_weights_the_search(folders, tm
                                                 converted_tensors(weighted), strict=True)
                if a.name.startswith("blk.") and x.shape == y.shape and not np.array_equal(x, y)]
     assert len(changed) >= 10
+
+
+def test_a_folder_loads_directly_quantized_in_memory(folders, tmp_path):
+    """edgellm.load(folder, quant=...) is the converted file, without the file."""
+    folder, model = folders["qwen3"]
+    convert(folder, tmp_path / "q4.gguf", "q4_0")
+    tokens = tokens_for(model)[:24]
+    from_file = edgellm.load(tmp_path / "q4.gguf", backend="numpy")
+    from_folder = edgellm.load(folder, backend="numpy", quant="q4_0")
+    assert from_folder.encode("Hello world") == from_file.encode("Hello world")
+    logits = [m.net.forward(np.array(tokens), m.make_cache(32, dtype="float32"), all_logits=True)
+              for m in (from_file, from_folder)]
+    np.testing.assert_array_equal(logits[0], logits[1])
