@@ -258,8 +258,10 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         vtype = cur.u32(f"type of {key!r}")
         metadata[key] = cur.value(vtype, f"metadata {key!r}")
 
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-    if alignment <= 0 or alignment & (alignment - 1):
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int):
+        raise cur.fail(f"general.alignment is a {type(alignment).__name__}, not an integer")
+    if alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 30:
         raise cur.fail(f"general.alignment {alignment} is not a power of two")
 
     infos = []
@@ -292,7 +294,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         if offset % alignment:
             raise cur.fail(f"tensor {name!r} at offset {offset} is not aligned to {alignment}")
         row_bytes = _row_bytes(qtype, ne[0], name, path)
-        n_rows = int(np.prod(ne[1:], dtype=np.uint64)) if len(ne) > 1 else 1
+        n_rows = 1
+        for d in ne[1:]:  # Python integers: a product of lying dimensions cannot wrap around
+            n_rows *= d
         nbytes = row_bytes * n_rows
         start = data_offset + offset
         if start + nbytes > size:

@@ -60,6 +60,9 @@ def _compile(source: str) -> jinja2.Template:
 def render_chat(template: str | None, messages: Sequence[Message], *, bos_token: str = "",
                 eos_token: str = "", add_generation_prompt: bool = True) -> str:
     """The prompt text for ``messages`` under ``template`` (the fallback when None)."""
+    if template is not None and not isinstance(template, str):
+        raise TemplateError(f"the model's chat template is a {type(template).__name__}, "
+                            "not text: the file is corrupt")
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise TemplateError(f"a chat message needs 'role' and 'content': {m!r}")

@@ -165,6 +165,24 @@ def _nonfinite_rows(rows: np.ndarray, qtype: GGMLQuantizationType) -> int | None
     return int(bad[0]) if len(bad) else None
 
 
+def check_types(tensors: Mapping[str, QTensor]) -> None:
+    """Every tensor's type is one this runtime computes with: one row of each type is
+    dequantized (integer and unsupported block types would fail inside a forward pass)."""
+    from edgellm.quants import dequantize
+
+    tried: set[GGMLQuantizationType] = set()
+    for name, tensor in tensors.items():
+        if tensor.qtype in tried:
+            continue
+        tried.add(tensor.qtype)
+        row = tensor.data.reshape(-1, tensor.data.shape[-1])[:1]
+        try:
+            dequantize(np.ascontiguousarray(row), tensor.qtype)
+        except (NotImplementedError, KeyError, ValueError, TypeError):
+            raise ValueError(f"tensor {name!r} has type {tensor.qtype.name}, which edgellm "
+                             "cannot compute with") from None
+
+
 def check_finite(tensors: Mapping[str, QTensor]) -> None:
     """Refuse a model whose weights hold NaN/inf, naming the first such tensor."""
     for name, tensor in tensors.items():

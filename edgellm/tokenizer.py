@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from edgellm.converters.gguf_reader import StringArray
+
 SUPPORTED_MODELS = ("gpt2", "llama")
 
 # Byte-level BPE pre-tokenizer regexes by tokenizer.ggml.pre, as used by llama.cpp
@@ -228,7 +230,12 @@ class _SpmEngine:
                 out.append(tid)
             else:
                 # Only single characters can be missing: merges always produce vocab tokens.
-                out.extend(self._byte_ids[b] for b in piece.encode("utf-8", "surrogatepass"))
+                for b in piece.encode("utf-8", "surrogatepass"):
+                    byte_id = self._byte_ids[b]
+                    if byte_id is None:
+                        raise ValueError(f"cannot tokenize {piece!r}: the vocabulary has no "
+                                         f"<0x{b:02X}> byte token and no unknown token")
+                    out.append(byte_id)
             i = nxt[i]
 
 
@@ -247,7 +254,13 @@ class _BpeEngine:
             if cut < 0:
                 raise ValueError(f"malformed BPE merge {merge!r} in tokenizer.ggml.merges")
             pairs.append((merge[:cut], merge[cut + 1:]))
-        hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        try:
+            bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+        except Exception as exc:  # tokenizers raises a bare Exception for a bad merge list
+            message = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"tokenizer.ggml.merges does not fit the vocabulary: {message}") \
+                from None
+        hf = HFTokenizer(bpe)
         hf.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
@@ -306,7 +319,7 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
         """Build the tokenizer from a GGUF metadata dict (``read_gguf(path).metadata``)."""
         model = metadata.get("tokenizer.ggml.model")
-        if model not in SUPPORTED_MODELS:
+        if not isinstance(model, str) or model not in SUPPORTED_MODELS:
             raise ValueError(
                 f"unsupported tokenizer.ggml.model {model!r}; supported: "
                 + ", ".join(SUPPORTED_MODELS)
@@ -320,7 +333,7 @@ class Tokenizer:
         if model == "llama":
             # SPM: BOS and a prefix space by default; Gemma's metadata turns the space off.
             add_bos_default = True
-            add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+            add_space_prefix = _flag(metadata, "tokenizer.ggml.add_space_prefix", True)
         else:
             add_bos_default, add_space_prefix = False, False  # byte-level BPE never prefixes
         return cls(
@@ -331,8 +344,8 @@ class Tokenizer:
             bos_id=_opt_id(metadata, "tokenizer.ggml.bos_token_id", n),
             eos_id=_opt_id(metadata, "tokenizer.ggml.eos_token_id", n),
             eos_ids=eos_ids,
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
-            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            add_bos=_flag(metadata, "tokenizer.ggml.add_bos_token", add_bos_default),
+            add_eos=_flag(metadata, "tokenizer.ggml.add_eos_token", False),
             add_space_prefix=add_space_prefix,
             control_ids=control_ids,
         )
@@ -449,7 +462,10 @@ class Tokenizer:
             except KeyError:  # not byte-level text: llama.cpp would flag it, keep it readable
                 return text.encode("utf-8")
         if kind == TokenType.BYTE:
-            return bytes([int(text[3:-1], 16)])  # "<0xAB>"
+            try:
+                return bytes([int(text[3:-1], 16)])  # "<0xAB>"
+            except ValueError:  # a byte token whose text is not <0xXX>: print it as it is
+                return text.encode("utf-8")
         return b""  # unused / undefined tokens print nothing, as in llama.cpp
 
     def decode(self, ids: Iterable[int], special: bool = False) -> str:
@@ -534,16 +550,45 @@ def _complete_prefix_len(buf: bytes) -> int:
 def _vocabulary(metadata: dict[str, Any]) -> Vocabulary:
     """The vocab strings; empty ones get llama.cpp's placeholder so lookups stay unique."""
     tokens = metadata.get("tokenizer.ggml.tokens")
-    if tokens is None or not len(tokens):
+    if tokens is None:
         raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
+    _require_strings(tokens, "tokenizer.ggml.tokens")
+    if not len(tokens):
+        raise ValueError("GGUF metadata has an empty tokenizer.ggml.tokens")
     return Vocabulary(tokens)
+
+
+def _require_strings(values: Any, key: str) -> None:
+    """``values`` must be a GGUF string array (a crafted file may put anything there)."""
+    if isinstance(values, StringArray):
+        return
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{key} should be an array of strings, not {type(values).__name__}: "
+                         "the file is corrupt")
+
+
+def _numbers(values: Any, key: str) -> np.ndarray:
+    """A GGUF numeric array (the reader gives numpy arrays), or a ValueError naming ``key``."""
+    if not isinstance(values, np.ndarray) or values.dtype.kind not in "iufb":
+        raise ValueError(f"{key} should be an array of numbers, not {type(values).__name__}: "
+                         "the file is corrupt")
+    return values
+
+
+def _flag(metadata: dict[str, Any], key: str, default: bool) -> bool:
+    """A boolean (or integer) metadata flag."""
+    value = metadata.get(key, default)
+    if not isinstance(value, bool | int | np.integer | np.bool_):
+        raise ValueError(f"{key} should be a boolean, not {type(value).__name__}: "
+                         "the file is corrupt")
+    return bool(value)
 
 
 def _token_types(values: Any, n: int) -> bytes:
     """Each token's ``TokenType`` as one byte (NORMAL where the metadata has none)."""
     if values is None:
         return bytes([TokenType.NORMAL]) * n
-    kinds = np.asarray(values, dtype=np.int64)
+    kinds = _numbers(values, "tokenizer.ggml.token_type").astype(np.int64)
     if len(kinds) < n:
         raise ValueError("tokenizer.ggml.token_type is shorter than tokenizer.ggml.tokens")
     if len(kinds) and (kinds.min() < 0 or kinds.max() > 255):
@@ -556,6 +601,9 @@ def _opt_id(metadata: dict[str, Any], key: str, n: int) -> int | None:
     value = metadata.get(key)
     if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{key} should be a token id, not {type(value).__name__}: "
+                         "the file is corrupt")
     value = int(value)
     return value if 0 <= value < n else None
 
@@ -597,18 +645,22 @@ def _build_engine(
         # a flat array of f32 (the file's own values): 4 bytes a score, not a 32-byte float
         # object (262k in Gemma)
         scores = array("f", bytes(4 * n) if raw_scores is None else
-                       np.asarray(raw_scores, dtype=np.float32).tobytes())
+                       _numbers(raw_scores, "tokenizer.ggml.scores").astype(np.float32)
+                       .tobytes())
         if len(scores) < n:
             raise ValueError("tokenizer.ggml.scores is shorter than tokenizer.ggml.tokens")
         unk_id = _opt_id(metadata, "tokenizer.ggml.unknown_token_id", n)
         return _SpmEngine(tokens, scores, unk_id)
     pre = metadata.get("tokenizer.ggml.pre")
-    if pre not in _BPE_PRE_PATTERNS:
+    if not isinstance(pre, str) or pre not in _BPE_PRE_PATTERNS:
         raise ValueError(
             f"unsupported tokenizer.ggml.pre {pre!r} for a gpt2 vocab; supported: "
             + ", ".join(sorted(_BPE_PRE_PATTERNS))
         )
     merges = metadata.get("tokenizer.ggml.merges")
-    if not merges:
+    if merges is None:
         raise ValueError("gpt2 tokenizer without tokenizer.ggml.merges")
+    _require_strings(merges, "tokenizer.ggml.merges")
+    if not len(merges):
+        raise ValueError("gpt2 tokenizer with an empty tokenizer.ggml.merges")
     return _BpeEngine(tokens, merges, _BPE_PRE_PATTERNS[pre])

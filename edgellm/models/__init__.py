@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 from edgellm.config import ModelArgs
-from edgellm.model_checks import check_finite, check_shapes, release_file_pages
+from edgellm.model_checks import check_finite, check_shapes, check_types, release_file_pages
 
 # general.architecture -> module (relative to this package) defining ``Model``
 ARCHITECTURES: dict[str, str] = {
@@ -31,7 +31,9 @@ def build_model(metadata: dict, tensors: dict, backend):
     args = ModelArgs.from_metadata(metadata)
     # shapes against the metadata and no NaN/inf scales, before any kernel sees a tensor
     tokens = metadata.get("tokenizer.ggml.tokens")
-    check_shapes(args, tensors, None if tokens is None else len(tokens))
+    n_tokens = len(tokens) if hasattr(tokens, "__len__") and not isinstance(tokens, str) else None
+    check_shapes(args, tensors, n_tokens)
+    check_types(tensors)
     check_finite(tensors)
     net = cls(args, backend, tensors)
     release_file_pages(tensors)  # the check read every page; keep resident only what is used
