@@ -3,6 +3,7 @@
     edgellm convert ./Qwen2.5-0.5B -o qwen-q4_k_m.gguf --type q4_k_m [--imatrix imatrix.gguf]
     edgellm convert ./Qwen2.5-0.5B --type q4_k_m --dry-run       # the plan, nothing written
     edgellm convert ./Qwen2.5-0.5B -o q.gguf --type q8_0 --verify  # tokens and logits vs HF
+    edgellm convert MODEL.gguf --to mlx OUT_DIR    # a GGUF file to a folder mlx_lm.load opens
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q4_k_m", "q5_k_m", "q6_k
 def build_parser(prog: str = "edgellm convert") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Convert a Hugging Face model folder "
                                 "(config.json, *.safetensors, tokenizer) to GGUF.")
-    p.add_argument("src", help="Hugging Face model folder")
+    p.add_argument("src", help="Hugging Face model folder (or, with --to mlx, a .gguf file "
+                   "or catalog name)")
+    p.add_argument("dest", nargs="?", default=None,
+                   help="with --to mlx: the MLX model folder to write")
+    p.add_argument("--to", choices=("gguf", "mlx"), default="gguf",
+                   help="gguf (default): HF folder -> GGUF; mlx: GGUF -> an MLX folder "
+                        "(mlx-lm's layout, quantized blocks kept exactly where they map)")
     p.add_argument("-o", "--output", default=None, help="output .gguf file")
     p.add_argument("--type", default="f16", choices=TYPES, help="output type (default f16)")
     p.add_argument("--imatrix", default=None, metavar="FILE",
@@ -37,7 +44,10 @@ def build_parser(prog: str = "edgellm convert") -> argparse.ArgumentParser:
 
 
 def main(argv: list[str], command: str = "convert") -> int:
-    args = build_parser().parse_args(argv)
+    # intermixed: `convert MODEL.gguf --to mlx DIR` has a positional on each side of --to
+    args = build_parser().parse_intermixed_args(argv)
+    if args.to == "mlx":
+        return convert_to_mlx(args)
     from edgellm.converters.hf_convert import plan_conversion, write_gguf
 
     if not args.dry_run and not args.output:
@@ -111,3 +121,27 @@ def progress_printer(started: float):
               flush=True)
 
     return show
+
+
+def convert_to_mlx(args: argparse.Namespace) -> int:
+    """--to mlx: a GGUF model (file or catalog name) to an MLX folder for mlx_lm.load."""
+    from edgellm.apps.common import ensure_model
+    from edgellm.converters.mlx_export import export_mlx
+    from edgellm.store import resolve_model
+
+    dest = args.dest or args.output
+    if not dest:
+        raise CliError("give the MLX folder to write: edgellm convert MODEL.gguf --to mlx DIR")
+    started = time.perf_counter()
+    report = export_mlx(resolve_model(ensure_model(args.src)), dest,
+                        progress=lambda done, total: _tensor_progress(done, total))
+    for line in report.lines():
+        print(line)
+    print(f"in {time.perf_counter() - started:.1f} s; load it with mlx_lm.load({str(dest)!r})")
+    return 0
+
+
+def _tensor_progress(done: int, total: int) -> None:
+    if sys.stderr.isatty() or done == total:
+        end = "\n" if done == total else ""
+        print(f"\rexporting {done}/{total} tensors", end=end, file=sys.stderr, flush=True)

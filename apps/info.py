@@ -16,11 +16,19 @@ def main(argv: list[str], command: str = "info") -> int:
                    help="catalog name or path to a .gguf file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--template", action="store_true", help="print the whole chat template")
+    p.add_argument("--backend", default=None,
+                   help="also load the model on this backend and report the memory it holds "
+                        "there (e.g. mlx: MLX's active memory beside the GGUF size)")
     args = p.parse_args(argv)
     from edgellm.converters.gguf_reader import read_gguf
     from edgellm.modelinfo import describe
 
-    info = describe(read_gguf(store.resolve_model(ensure_model(args.model))))
+    path = store.resolve_model(ensure_model(args.model))
+    info = describe(read_gguf(path))
+    if args.backend:
+        from edgellm.modelinfo import backend_memory
+
+        info.update(backend_memory(path, args.backend))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

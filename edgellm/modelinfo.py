@@ -60,3 +60,22 @@ def describe(gguf: GGUFFile) -> dict[str, Any]:
         "kv_cache_bytes": default_cache_plan(args).nbytes,
         "gguf_version": gguf.version,
     }
+
+
+def backend_memory(path: str | Path, backend: str) -> dict[str, Any]:
+    """Load the model on ``backend`` and say what it holds: the device's own figures where
+    the backend reports them (MLX's active memory, CUDA's allocated bytes), and their ratio
+    to the GGUF file's size."""
+    from edgellm.api import load
+
+    model = load(path, backend=backend)
+    be = model.backend
+    size = Path(model.path).stat().st_size
+    name = getattr(be, "device_name", None)
+    out: dict[str, Any] = {"backend": be.name, "device": name() if name else "host"}
+    memory = be.device_memory()
+    if memory is not None:
+        out["device_memory_active"] = memory["active"]
+        out["device_memory_peak"] = memory["peak"]
+        out["device_memory_vs_gguf"] = round(memory["active"] / size, 3)
+    return out

@@ -229,3 +229,46 @@ def test_device_memory_within_budget(model_path):
     used = model.backend.device_memory()["active"]
     print(f"{name}: MLX active {used / 2**20:.0f} MiB, GGUF {size / 2**20:.0f} MiB")
     assert used <= 1.3 * size
+
+
+# -- export: GGUF -> an MLX folder that mlx-lm loads -----------------------------------------
+EXPORT_PROMPTS = ["def fibonacci(n):", "<|im_start|>user\nWrite a haiku about rust.<|im_end|>\n"
+                  "<|im_start|>assistant\n"]
+EXPORT_TOKENS = 6
+
+
+@pytest.mark.slow
+def test_export_loads_in_mlx_lm_and_greedy_equals_ours(model_path, tmp_path):
+    """The 0.5B exported (Q5_0 and Q4_K exact, Q8_0 exact, Q6_K as 8 bits): mlx_lm.load opens
+    it, its tokenizer gives our ids, and its greedy tokens equal the MLX backend's."""
+    mlx_lm = pytest.importorskip("mlx_lm")
+    pytest.importorskip("transformers")
+    import json
+
+    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+
+    from edgellm.converters.mlx_export import export_mlx
+    from edgellm.generate import generate_step
+    from edgellm.sampling import SamplingParams
+
+    src = model_path("qwen2.5-coder-0.5b-instruct")
+    out = tmp_path / "q05-mlx"
+    report = export_mlx(src, out)
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()}
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert quant["bits"] == 5 and quant["group_size"] == 32  # Q5_0 is most of the file
+    assert quant["lm_head"] == {"group_size": 32, "bits": 8}  # Q8_0
+    assert quant["model.layers.0.mlp.down_proj"]["bits"] in (4, 8)  # Q4_K or Q6_K
+    assert report.kept["Q4_K -> 4-bit exact"] and report.kept["Q6_K -> 8-bit re-quantized"]
+    theirs_model, theirs_tok = mlx_lm.load(str(out))
+    ours = _loaded("qwen2.5-coder-0.5b-instruct")
+    for prompt in EXPORT_PROMPTS:
+        ids = ours.encode(prompt)
+        assert theirs_tok.encode(prompt) == ids
+        steps = mlx_lm_generate_step(mx.array(ids), theirs_model, max_tokens=EXPORT_TOKENS,
+                                     sampler=lambda logits: mx.argmax(logits, axis=-1))
+        theirs = [int(tok) for tok, _ in steps]
+        cache = ours.make_cache(len(ids) + EXPORT_TOKENS + 8, dtype="float32")
+        mine = generate_step(ids, ours.net, cache, SamplingParams(temperature=0))
+        assert [next(mine)[0] for _ in range(EXPORT_TOKENS)] == theirs, prompt

@@ -118,7 +118,7 @@ class MlxBackend(Backend):
         self.threads = threads or os.cpu_count() or 1
 
     # -- what and where ----------------------------------------------------------------------
-    def device_description(self) -> str:
+    def device_name(self) -> str:
         """E.g. 'mlx gpu (Apple M4)' or 'mlx cpu (AMD EPYC, 2 cores)'."""
         info = mx.device_info()
         name = info.get("device_name") or info.get("architecture") or "?"
