@@ -18,7 +18,8 @@ _REGISTRY: dict[str, tuple] = {
     "mlx": (".mlx", "MlxBackend"),
 }
 
-#: Tried in order by ``get_backend("auto")`` (after "torch" where there is an NVIDIA GPU).
+#: Tried in order by ``get_backend("auto")`` (after "torch" where there is an NVIDIA GPU, and
+#: "mlx" on an Apple Silicon Mac).
 AUTO_ORDER: tuple[str, ...] = ("cpu", "numpy")
 
 
@@ -28,6 +29,16 @@ def _nvidia_gpu() -> bool:
     import os
 
     return os.path.exists("/dev/nvidiactl") and importlib.util.find_spec("torch") is not None
+
+
+def _apple_silicon() -> bool:
+    """An Apple Silicon Mac with mlx installed (MLX's GPU path; not imported here)."""
+    import importlib.util
+    import platform
+    import sys
+
+    return (sys.platform == "darwin" and platform.machine() == "arm64"
+            and importlib.util.find_spec("mlx") is not None)
 
 
 def available_backends() -> list[str]:
@@ -46,7 +57,8 @@ def get_backend(name: str = "auto", **options) -> Backend:
     """A backend instance by name; "auto" picks the fastest that works here."""
     if name == "auto":
         errors = []
-        for candidate in (("torch",) if _nvidia_gpu() else ()) + AUTO_ORDER:
+        for candidate in ((("torch",) if _nvidia_gpu() else ())
+                          + (("mlx",) if _apple_silicon() else ()) + AUTO_ORDER):
             try:
                 backend = get_backend(candidate, **options)
             except (ImportError, RuntimeError) as exc:
