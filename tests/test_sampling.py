@@ -76,3 +76,39 @@ def test_stop_matcher_holds_back_partial_stops():
     m = StopMatcher(["END"])
     assert m.feed("the EN") == ("the ", False)
     assert m.feed("gine") == ("ENgine", False)
+
+
+def full_sort_probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution with top-p over the whole vocabulary sorted (the plain definition)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    keep = np.ones(logits.shape, dtype=bool)
+    if 0 < params.top_k < logits.shape[-1]:
+        keep &= logits >= np.partition(logits, -params.top_k)[-params.top_k]
+    masked = np.where(keep, logits, -np.inf)
+    probs = np.exp(masked - masked.max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cut = int(np.searchsorted(np.cumsum(probs[order]), params.top_p)) + 1
+        keep[order[cut:]] = False
+    if params.min_p > 0.0:
+        keep &= probs >= params.min_p * probs.max()
+    scaled = np.where(keep, logits / params.temperature, -np.inf)
+    probs = np.exp(scaled - scaled.max())
+    return probs / probs.sum()
+
+
+def test_top_p_over_the_live_tokens_equals_sorting_the_whole_vocabulary():
+    """probabilities() sorts only the tokens top-k left in play: bit-identical to sorting all
+    (ties, tiny and huge logits, top_p at both ends)."""
+    rng = np.random.default_rng(0)
+    for trial in range(600):
+        logits = rng.normal(size=int(rng.choice([5, 50, 1000]))) * rng.choice([0.1, 1, 10, 100])
+        if trial % 3 == 0:
+            logits = np.round(logits)  # ties
+        params = SamplingParams(temperature=float(rng.choice([0.3, 1.0, 1.5])),
+                                top_k=int(rng.choice([0, 1, 3, 40])),
+                                top_p=float(rng.choice([0.01, 0.5, 0.95, 0.999999, 1.0])),
+                                min_p=float(rng.choice([0.0, 0.05])))
+        assert np.array_equal(probabilities(logits, params),
+                              full_sort_probabilities(logits, params))
