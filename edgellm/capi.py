@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -278,18 +279,41 @@ class LoadCancelled(Exception):
 
 
 class ModelEntry:
-    """A loaded model behind a handle: the Model, its engine and its live requests."""
+    """A loaded model behind a handle: the Model, its engine and its live requests.
+
+    Calls that use the model (tokenize, info, starting a request) run inside ``use()``;
+    ``close()`` waits for them, so a free racing with another thread's call never pulls the
+    model out from under it: that call finishes, or is refused as INVALID_HANDLE."""
 
     def __init__(self, model, engine):
         self.model = model
         self.engine = engine
         self.requests: set[CRequest] = set()
         self.lock = threading.Lock()
+        self._idle = threading.Condition(self.lock)
+        self._users = 0
+        self.closing = False
+
+    @contextmanager
+    def use(self):
+        with self.lock:
+            if self.closing:
+                raise CapiError(INVALID_HANDLE, "the model was freed")
+            self._users += 1
+        try:
+            yield self.model
+        finally:
+            with self.lock:
+                self._users -= 1
+                self._idle.notify_all()
 
     def close(self) -> None:
-        """Cancel the live requests, wait until the engine has ended them, stop the engine
-        and release the model's memory."""
+        """Refuse new calls, wait for the ones in progress, cancel the live requests, wait
+        until the engine has ended them, stop the engine and release the model's memory."""
         with self.lock:
+            self.closing = True
+            while self._users:
+                self._idle.wait()
             requests = list(self.requests)
         for request in requests:
             request.cancel()
@@ -327,7 +351,9 @@ def load_model(options_json: str, progress: Callable[[float, str], None] | None 
     except (LoadCancelled, CapiError):
         raise
     except (ValueError, OSError, KeyError, IndexError) as exc:
-        raise CapiError(BAD_MODEL, f"{path}: cannot load this model: {exc}") from None
+        text = _error_message(exc)
+        raise CapiError(BAD_MODEL, text if str(path) in text
+                        else f"{path}: cannot load this model: {text}") from None
     try:
         engine = model.start_engine(max_seqs=options.get("max_sequences"))
         if progress is not None:
@@ -434,15 +460,18 @@ class CRequest:
 
     # -- the running thread ------------------------------------------------------------------
     def start(self, kind: int, request_json: str) -> None:
-        import time
-
-        from edgellm.engine import EngineClosed, PromptTooLong, QueueFull, Request
-
         what = "chat request" if kind == CHAT else "completion request"
         body = parse_object(request_json, what)
         fields = validate(body, CHAT_FIELDS if kind == CHAT else COMPLETION_FIELDS, what)
         params = sampling_params(fields)
-        model = self.entry.model
+        with self.entry.use() as model:
+            self._submit(kind, fields, params, model, what)
+
+    def _submit(self, kind: int, fields: dict[str, Any], params, model, what: str) -> None:
+        import time
+
+        from edgellm.engine import EngineClosed, PromptTooLong, QueueFull, Request
+
         try:
             if kind == CHAT:
                 prompt = model.encode(model.apply_chat_template(chat_messages(fields["messages"])))
@@ -667,12 +696,15 @@ def attach(ffi, lib) -> None:
 
     @entry
     def elm_py_model_info(handle, buf, size, out_size):
-        info = model_info(_models.get(handle))
+        entry_ = _models.get(handle)
+        with entry_.use():
+            info = model_info(entry_)
         return write_text(json.dumps(info, ensure_ascii=False), buf, size, out_size)
 
     @entry
     def elm_py_tokenize(handle, text, flags, tokens, capacity, out_count):
-        ids = tokenize(_models.get(handle).model, text_of(text, "text"), int(flags))
+        with _models.get(handle).use() as model:
+            ids = tokenize(model, text_of(text, "text"), int(flags))
         out_count[0] = len(ids)
         if tokens == ffi.NULL and capacity == 0:
             return OK
@@ -685,15 +717,18 @@ def attach(ffi, lib) -> None:
 
     @entry
     def elm_py_detokenize(handle, tokens, n_tokens, buf, size, out_size):
-        model = _models.get(handle).model
         ids = list(ffi.unpack(tokens, n_tokens)) if n_tokens else []
-        return write_text(detokenize(model, ids), buf, size, out_size)
+        with _models.get(handle).use() as model:
+            text = detokenize(model, ids)
+        return write_text(text, buf, size, out_size)
 
     @entry
     def elm_py_request_create(handle, out_handle):
         entry_ = _models.get(handle)
         request = CRequest(entry_)
         with entry_.lock:
+            if entry_.closing:
+                raise CapiError(INVALID_HANDLE, "the model was freed")
             entry_.requests.add(request)
         out_handle[0] = _requests.add(request)
         return OK
@@ -718,8 +753,6 @@ def attach(ffi, lib) -> None:
     @entry
     def elm_py_run_start(handle, kind, request_json):
         request = _requests.get(handle)
-        if _models_closed(request.entry):
-            raise CapiError(INVALID_HANDLE, "the request's model was freed")
         request.start(int(kind), text_of(request_json, "request_json", INVALID_JSON))
         _running_here().append(request.entry)
         return OK
@@ -748,10 +781,6 @@ def attach(ffi, lib) -> None:
         return write_text(_requests.get(handle).result(), buf, size, out_size)
 
     lib.elm_mark_ready()
-
-
-def _models_closed(entry: ModelEntry) -> bool:
-    return entry.model.closed
 
 
 def _leave(entry: ModelEntry) -> None:

@@ -4,6 +4,7 @@ records with text and timings) -> ``generate`` (a string). No flag changes a ret
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,24 +41,58 @@ def checked_logits(logits: np.ndarray, step: int) -> np.ndarray:
     return logits
 
 
+class Cancelled(Exception):
+    """A generation's ``cancel`` event was set while its prompt was being processed."""
+
+
+def prefill(net, prompt: Sequence[int], cache: KVCache,
+            cancel: threading.Event | None = None) -> np.ndarray:
+    """Run ``prompt`` into ``cache``; the last token's logits (vocab,).
+
+    With ``cancel``, a long prompt runs in the model's own slices of PREFILL_CHUNK tokens
+    (the same arithmetic as one call) and a set event stops it between two slices: the cache
+    is trimmed back to where it was (reset if a ring cannot roll back that far) and
+    ``Cancelled`` is raised, so the event is honoured within one slice.
+    """
+    from edgellm.models.llama import PREFILL_CHUNK  # here: `import edgellm` stays light
+
+    if cancel is None or len(prompt) <= PREFILL_CHUNK:
+        return net.forward(np.asarray(prompt), cache)[-1]
+    if not cache.fits(len(prompt)):
+        cache.begin(len(prompt))  # ContextOverflow before any slice is written
+    start = cache.offset
+    for i in range(0, len(prompt), PREFILL_CHUNK):
+        if cancel.is_set():
+            written = cache.offset - start
+            if written <= cache.max_trim():
+                cache.trim(written)
+            else:
+                cache.reset()
+            raise Cancelled()
+        logits = net.forward(np.asarray(prompt[i:i + PREFILL_CHUNK]), cache)
+    return logits[-1]
+
+
 def generate_step(
     prompt: Sequence[int],
     net,
     cache: KVCache,
     params: SamplingParams,
     history: Sequence[int] = (),
+    cancel: threading.Event | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """Prefill ``prompt`` (appended to what ``cache`` holds) in one pass, then decode.
 
     Yields (token, logits) for each new token, for ever: the caller decides when to stop.
     ``history`` is the context already in the cache, for the repetition penalties.
+    ``cancel``: see ``prefill`` (between tokens, the caller checks it).
     """
     if len(prompt) == 0:
         raise ValueError("empty prompt: give at least one token")
     process = logits_processor(params)
     sample = make_sampler(params)
     context = list(history) + list(prompt)
-    logits = checked_logits(net.forward(np.asarray(prompt), cache)[-1], 0)
+    logits = checked_logits(prefill(net, prompt, cache, cancel), 0)
     while True:
         logits = process(logits, context)
         token = sample(logits)
@@ -154,7 +189,7 @@ class GenerationResponse:
 
     text: str  # new text since the previous response (may be "")
     token: int | None
-    finish_reason: str | None = None  # "stop" | "length" | "context" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "context" | "cancelled" | None
     prompt_tokens: int = 0
     generation_tokens: int = 0
     prompt_tps: float = 0.0
@@ -206,6 +241,7 @@ def stream_generate(
     history: Sequence[int] = (),
     draft: Model | str | Drafter | None = None,
     draft_n: int | None = None,
+    cancel: threading.Event | None = None,
 ) -> Iterator[GenerationResponse]:
     """Stream a reply to ``prompt`` (text, tokenized with special tokens parsed, or ids).
 
@@ -213,7 +249,11 @@ def stream_generate(
     turns); otherwise a fresh cache is made. The last response has a ``finish_reason``.
     ``draft`` (a smaller Model of the same vocabulary, "ngram", or a Drafter) turns on
     speculative decoding: same output, and ``extra["speculative"]`` carries its statistics;
-    ``draft_n`` pins the draft length (default: adaptive).
+    ``draft_n`` pins the draft length (default: adaptive). ``cancel``, an event another
+    thread may set, ends the reply with finish_reason "cancelled" before the next token, or
+    within one prompt slice while a long prompt is processed (the cache is then as before
+    the prompt). Each call has its own cache unless given one, so calls on one Model from
+    several threads are safe (not batched: ``Model.submit`` batches).
     """
     params = params or SamplingParams()
     ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -237,7 +277,7 @@ def stream_generate(
                                           controller=DraftLengthController(fixed=draft_n),
                                           stats=spec_stats)
     else:
-        steps = generate_step(ids, model.net, cache, params, history)
+        steps = generate_step(ids, model.net, cache, params, history, cancel)
     from_draft = False
 
     def response(text: str, token: int | None, reason: str | None) -> GenerationResponse:
@@ -256,10 +296,16 @@ def stream_generate(
         yield response("", None, "length")
         return
     while finish is None:
+        if cancel is not None and cancel.is_set():
+            yield response("", None, "cancelled")
+            return
         try:
             step = next(steps)
         except ContextOverflow:
             yield response(stops.flush() + detok.flush(), None, "context")
+            return
+        except Cancelled:
+            yield response("", None, "cancelled")
             return
         token, from_draft = step[0], len(step) > 2 and step[2]
         n += 1

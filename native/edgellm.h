@@ -112,8 +112,9 @@ EDGELLM_API edgellm_status edgellm_model_load(const char *options_json,
                                               edgellm_progress_fn progress, void *user_data,
                                               edgellm_model **out_model);
 
-/* Free a model: cancels its running requests, waits for them to return, stops its engine and
- * releases its memory. The handle is invalid afterwards (using it gives
+/* Free a model: refuses new calls on it, waits for the calls in progress on other threads,
+ * cancels its running requests (their edgellm_chat returns EDGELLM_ERR_CANCELLED), stops its
+ * engine and releases its memory. The handle is invalid afterwards (using it gives
  * EDGELLM_ERR_INVALID_HANDLE); its requests must still be freed with edgellm_request_free.
  * Any thread, but not from inside one of this model's callbacks (EDGELLM_ERR_BUSY). */
 EDGELLM_API edgellm_status edgellm_model_free(edgellm_model *model);

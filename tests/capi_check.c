@@ -112,6 +112,12 @@ static void report(const char *name, edgellm_status status) {
     fflush(stdout);
 }
 
+static int refuse_load(void *user_data, double fraction, const char *stage) {
+    (void)fraction;
+    ++*(int *)user_data;
+    return strcmp(stage, "weights") == 0; /* abort once the weights start */
+}
+
 static int bad_input(const char *model_name, const char *missing, const char *garbage) {
     edgellm_model *model = NULL;
     edgellm_request *req = NULL;
@@ -143,6 +149,11 @@ static int bad_input(const char *model_name, const char *missing, const char *ga
     report("not_a_model", edgellm_model_load(options, NULL, NULL, &model));
     report("bad_backend", edgellm_model_load("{\"model\": \"gemma-3-270m\", \"backend\": "
                                              "\"abacus\"}", NULL, NULL, &model));
+    int progress_calls = 0;
+    snprintf(options, sizeof options, "{\"model\": \"%s\"}", model_name);
+    report("load_cancelled_by_progress", edgellm_model_load(options, refuse_load,
+                                                            &progress_calls, &model));
+    printf("progress_calls %d\n", progress_calls);
     report("model_after_failures_is_null", model == NULL ? EDGELLM_OK : EDGELLM_ERR_INTERNAL);
 
     model = load(model_name, 1, 512);
@@ -254,6 +265,21 @@ static void *cancel_when_ready(void *arg) {
     "{\"messages\": [{\"role\": \"user\", \"content\": \"" content "\"}], \"temperature\": 0, " \
     "\"max_tokens\": " #max_tokens "}"
 
+typedef struct {
+    edgellm_model *model;
+    reply *r;
+    edgellm_request *request;
+    edgellm_status status;
+    int unused;
+} free_args;
+
+static void *chat_while_freed(void *arg) {
+    free_args *a = arg;
+    a->status = edgellm_chat(a->request, CHAT_JSON("Write a long story about a fox.", 400),
+                             collect, a->r);
+    return NULL;
+}
+
 static int cancel_reply(const char *model_name) {
     edgellm_model *model = load(model_name, 2, 1024);
     const char *short_json = CHAT_JSON("Name three colours.", 12);
@@ -295,7 +321,21 @@ static int cancel_reply(const char *model_name) {
     print_ids("ids_before", &before);
     print_ids("ids_after", &after);
     printf("usable_after_cancel %d\n", same_ids(&before, &after));
-    edgellm_model_free(model);
+
+    /* freeing the model while another thread's request runs: that request is cancelled */
+    reply running;
+    reply_init(&running, 0);
+    edgellm_request_create(model, &req);
+    free_args fa = {model, &running, req, 0, 0};
+    pthread_create(&thread, NULL, chat_while_freed, &fa);
+    pthread_mutex_lock(&running.mu);
+    while (running.chunks < 2)
+        pthread_cond_wait(&running.cv, &running.mu);
+    pthread_mutex_unlock(&running.mu);
+    s = edgellm_model_free(model);
+    pthread_join(thread, NULL);
+    printf("free_while_running %s %s\n", edgellm_status_name(s), edgellm_status_name(fa.status));
+    printf("request_free_after_model %s\n", edgellm_status_name(edgellm_request_free(req)));
     return 0;
 }
 

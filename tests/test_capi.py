@@ -117,6 +117,7 @@ BAD_INPUT = {
     "unknown_model": "NOT_FOUND",
     "missing_file": "NOT_FOUND",
     "not_a_model": "BAD_MODEL",
+    "load_cancelled_by_progress": "CANCELLED",
     "bad_tokenize_flags": "INVALID_ARGUMENT",
     "detokenize_bad_id": "INVALID_ARGUMENT",
     "chat_beyond_context": "CONTEXT",
@@ -157,6 +158,7 @@ def bad_input(check, model_path, tmp_path_factory) -> dict[str, tuple[str, str]]
     assert out["tokenize_size"] == out["tokenize_full"] == "EDGELLM_OK 7"
     assert out["detokenize_full"].startswith("EDGELLM_OK 27 Hello, world! Hello again.")
     assert out["chat_ok"] == "EDGELLM_OK"
+    assert int(out["progress_calls"]) >= 2  # the progress callback ran ("file", "weights")
     return cases
 
 
@@ -186,6 +188,9 @@ def test_cancel_from_another_thread_stops_within_one_token(check, model_path):
     assert out["cancel_before_run"].startswith("EDGELLM_ERR_CANCELLED 0")
     # the model is still usable: the same request gives the same tokens as before
     assert out["usable_after_cancel"] == "1", (out["ids_before"], out["ids_after"])
+    # freeing the model cancels a request running on another thread; its handle stays freeable
+    assert out["free_while_running"] == "EDGELLM_OK EDGELLM_ERR_CANCELLED"
+    assert out["request_free_after_model"] == "EDGELLM_OK"
 
 
 def test_cancel_stops_a_long_prefill_within_one_slice(check, model_path):
