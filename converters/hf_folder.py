@@ -9,6 +9,7 @@ to float32, so a conversion holds one tensor at a time, not the model.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -129,16 +130,27 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path}: safetensors header is not JSON ({exc})") from None
     base = 8 + n
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object")
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape = info.get("dtype"), tuple(int(d) for d in info.get("shape", ()))
-        begin, end = (int(x) for x in info.get("data_offsets", (0, -1)))
-        if dtype not in DTYPE_SIZES:
+        if not isinstance(info, dict):
+            raise ValueError(f"{path}: tensor {name!r} has no dtype/shape/data_offsets entry")
+        dtype, shape = info.get("dtype"), info.get("shape", ())
+        offsets = info.get("data_offsets", (0, -1))
+        if not isinstance(shape, list | tuple) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ValueError(f"{path}: tensor {name!r} has a bad shape {shape!r:.60}")
+        if not isinstance(offsets, list | tuple) or len(offsets) != 2 or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in offsets):
+            raise ValueError(f"{path}: tensor {name!r} has bad data_offsets {offsets!r:.60}")
+        shape, (begin, end) = tuple(shape), offsets
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise ValueError(f"{path}: tensor {name!r} has dtype {dtype}; only "
                              f"{', '.join(DTYPE_SIZES)} checkpoints can be converted")
-        expected = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
+        expected = math.prod(shape) * DTYPE_SIZES[dtype]  # Python ints: no wrap-around
         if end - begin != expected or begin < 0:
             raise ValueError(f"{path}: tensor {name!r} of shape {list(shape)} {dtype} needs "
                              f"{expected} bytes but its range holds {end - begin}")

@@ -321,15 +321,12 @@ class ChatSession:
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or \
                     not isinstance(m.get("content"), str):
                 raise ValueError(f"not a saved chat: bad message {m!r}")
-        params = dict(data.get("params") or {})
-        known = {f.name for f in fields(SamplingParams)}
-        params = {k: v for k, v in params.items() if k in known}
-        if "stop" in params:
-            params["stop"] = tuple(params["stop"])
-        if "logit_bias" in params:
-            params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
-        self.params = SamplingParams(**params)
-        self.system = data.get("system") or None
+        system = data.get("system")
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"not a saved chat: 'system' is a {type(system).__name__}, "
+                             "not text")
+        self.params = SamplingParams(**_saved_params(data.get("params")))
+        self.system = system or None
         self.messages = [dict(m) for m in data["messages"]]
         self.last_stats = None
 
@@ -348,6 +345,55 @@ class ChatSession:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not JSON: {exc}") from None
         self.load_dict(data)
+
+
+def _saved_params(raw: Any) -> dict[str, Any]:
+    """SamplingParams fields from a saved chat, each checked for its type (a hand-edited or
+    damaged file gets one ValueError naming the field; unknown fields are ignored)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"not a saved chat: 'params' is a {type(raw).__name__}, not an object")
+
+    def bad(name: str, want: str) -> ValueError:
+        return ValueError(f"not a saved chat: params.{name} should be {want}, "
+                          f"not {raw[name]!r:.40}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    out: dict[str, Any] = {}
+    for f in fields(SamplingParams):
+        if f.name not in raw:
+            continue
+        value = raw[f.name]
+        if f.name == "stop":
+            if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+                raise bad(f.name, "a list of strings")
+            value = tuple(value)
+        elif f.name == "logit_bias":
+            if not isinstance(value, dict):
+                raise bad(f.name, "an object of token id -> bias")
+            try:
+                value = {int(k): float(v) for k, v in value.items()
+                         if not isinstance(v, bool)}
+            except (TypeError, ValueError, OverflowError):
+                raise bad(f.name, "an object of token id -> bias") from None
+        elif f.name == "ignore_eos":
+            if not isinstance(value, bool):
+                raise bad(f.name, "true or false")
+        elif f.name == "seed":
+            if value is not None and not is_int(value):
+                raise bad(f.name, "an integer or null")
+        elif isinstance(f.default, int) and not isinstance(f.default, bool):
+            if not is_int(value):
+                raise bad(f.name, "an integer")
+        elif isinstance(f.default, float):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise bad(f.name, "a number")
+            value = float(value)
+        out[f.name] = value
+    return out
 
 
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

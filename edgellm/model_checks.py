@@ -113,6 +113,12 @@ def check_shapes(args: ModelArgs, tensors: Mapping[str, QTensor],
         if tensor is not None and tuple(tensor.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)} but the model's "
                              f"metadata implies {list(shape)}: the file is corrupt")
+    for i in range(args.n_layers):  # QK-norm normalizes both or neither
+        q_norm, k_norm = (f"blk.{i}.attn_{x}_norm.weight" for x in "qk")
+        if (q_norm in tensors) != (k_norm in tensors):
+            present, missing = (q_norm, k_norm) if q_norm in tensors else (k_norm, q_norm)
+            raise ValueError(f"the model file has {present!r} but lacks {missing!r}: "
+                             "the file is corrupt")
     if n_tokens is not None and n_tokens != args.vocab_size:
         raise ValueError(f"the vocabulary has {n_tokens} tokens but the model has "
                          f"{args.vocab_size} embedding rows: the file is corrupt")

@@ -1,0 +1,108 @@
+"""Fuzzing the other files a user hands us: chat ``/load`` files and safetensors headers.
+Every input either loads or fails with one ``ValueError`` line (hypothesis generates them:
+arbitrary JSON, and structured damage to valid files)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edgellm.chat import ChatSession
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner,
+                                                                 max_size=5),
+    max_leaves=30,
+)
+PARAM_NAMES = ["temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "stop",
+               "logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty",
+               "ignore_eos", "bogus"]
+
+
+def _one_line_value_error(exc: BaseException) -> None:
+    assert isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}"
+    assert str(exc).strip() and "\n" not in str(exc).strip(), repr(str(exc))
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    from edgellm.api import load
+    from tests.tiny_models import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+    return ChatSession(load(path, backend="numpy"))
+
+
+def _try_load(session: ChatSession, data) -> None:
+    try:
+        session.load_dict(data)
+    except Exception as exc:  # noqa: BLE001 - anything but a one-line ValueError fails
+        _one_line_value_error(exc)
+        return
+    # what loaded must be usable: the template renders it
+    session.model.apply_chat_template(session.conversation())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(data=JSON)
+def test_load_arbitrary_json(session, data):
+    _try_load(session, data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(params=st.dictionaries(st.sampled_from(PARAM_NAMES), JSON, max_size=6),
+       messages=st.lists(st.dictionaries(st.sampled_from(["role", "content", "cut", "x"]),
+                                         JSON | st.sampled_from(["user", "assistant"]),
+                                         max_size=4), max_size=4),
+       system=JSON)
+def test_load_damaged_saves(session, params, messages, system):
+    _try_load(session, {"format": 1, "model": "m", "system": system, "params": params,
+                        "messages": messages})
+
+
+def test_load_file_errors_are_one_line(session, tmp_path):
+    for raw in (b"", b"\xff\xfe", b"{", b"[]", b'{"messages": [1]}', b"\x00" * 10,
+                json.dumps({"messages": [], "params": {"stop": 5}}).encode()):
+        path = tmp_path / "chat.json"
+        path.write_bytes(raw)
+        with pytest.raises(ValueError) as info:
+            session.load(path)
+        _one_line_value_error(info.value)
+
+
+# -- safetensors headers (the converter reads them; issue 12) ----------------------------------
+def _safetensors(header: object, data: bytes = b"", length: int | None = None) -> bytes:
+    blob = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    return struct.pack("<Q", len(blob) if length is None else length) + blob + data
+
+
+ENTRY = st.fixed_dictionaries(
+    {}, optional={"dtype": st.sampled_from(["F32", "F16", "BF16", "I64", "F8_E4M3"]) | JSON,
+                  "shape": st.lists(st.integers(-3, 2**40), max_size=4) | JSON,
+                  "data_offsets": st.lists(st.integers(-8, 2**64), max_size=3) | JSON})
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(header=st.dictionaries(st.text(max_size=8), ENTRY | JSON, max_size=4) | JSON,
+       data_len=st.integers(0, 256), length_lie=st.none() | st.integers(0, 2**64 - 1))
+def test_safetensors_headers(tmp_path, header, data_len, length_lie):
+    hf_folder = pytest.importorskip("edgellm.converters.hf_folder")
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(_safetensors(header, bytes(data_len), length_lie))
+    try:
+        entries = hf_folder.read_safetensors_header(path)
+    except Exception as exc:  # noqa: BLE001
+        _one_line_value_error(exc)
+        return
+    for entry in entries.values():  # what was accepted lies inside the file, sized right
+        assert 0 <= entry.start <= entry.end <= path.stat().st_size
+        assert all(isinstance(d, int) and d >= 0 for d in entry.shape)
