@@ -106,3 +106,63 @@ def test_safetensors_headers(tmp_path, header, data_len, length_lie):
     for entry in entries.values():  # what was accepted lies inside the file, sized right
         assert 0 <= entry.start <= entry.end <= path.stat().st_size
         assert all(isinstance(d, int) and d >= 0 for d in entry.shape)
+
+
+# -- server request bodies (the server: issue 13) ---------------------------------------------
+ROLES = st.sampled_from(["system", "user", "assistant", "developer", "tool", "bogus"])
+MESSAGE = st.fixed_dictionaries({}, optional={"role": ROLES | JSON, "content": st.text(max_size=30)
+                                              | JSON, "name": JSON})
+CHAT_BODY = st.fixed_dictionaries(
+    {"model": st.sampled_from(["tiny", "other"])},
+    optional={"messages": st.lists(MESSAGE, max_size=3) | JSON,
+              "max_tokens": st.integers(-2, 6) | JSON, "temperature": st.floats() | JSON,
+              "top_p": st.floats() | JSON, "top_k": st.integers(-5, 2**40) | JSON,
+              "n": st.integers(-1, 3) | JSON, "stop": st.text(max_size=4) | JSON,
+              "logit_bias": st.dictionaries(st.text(max_size=6), JSON, max_size=3) | JSON,
+              "seed": st.integers(-2**70, 2**70) | JSON, "stream": st.booleans() | JSON,
+              "logprobs": JSON, "top_logprobs": st.integers(-2, 30) | JSON,
+              "response_format": JSON, "tools": JSON})
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    server = pytest.importorskip("edgellm.server")
+    from fastapi.testclient import TestClient
+
+    from edgellm.api import load
+    from edgellm.engine import Engine
+    from tests.tiny_models import write_tiny_llama
+
+    model = load(write_tiny_llama(tmp_path_factory.mktemp("srv") / "tiny.gguf"),
+                 backend="numpy")
+    engine = Engine(model, ctx=128, max_seqs=2)
+    with TestClient(server.create_app(engine, "tiny"), raise_server_exceptions=False) as c:
+        yield c
+    engine.close()
+
+
+def _check_response(response) -> None:
+    assert response.status_code < 500, (response.status_code, response.text[:300])
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert error["message"].strip() and "\n" not in error["message"].strip(), error
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(body=CHAT_BODY)
+def test_server_chat_bodies(client, body):
+    raw = json.dumps(body).encode()  # NaN and Infinity as Python writes them: a parser test
+    _check_response(client.post("/v1/chat/completions", content=raw,
+                                headers={"content-type": "application/json"}))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize",
+                             "/detokenize"]),
+       raw=st.binary(max_size=64) | JSON.map(lambda v: json.dumps(v).encode()))
+def test_server_arbitrary_bodies(client, path, raw):
+    _check_response(client.post(path, content=raw, headers={"content-type": "application/json"}))
