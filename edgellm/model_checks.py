@@ -13,9 +13,11 @@ loading's resident memory does not grow by the file's size.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -197,6 +199,46 @@ def check_finite(tensors: Mapping[str, QTensor]) -> None:
             raise NonFiniteWeights(
                 f"tensor {name!r} holds NaN or infinite values (row {row}, "
                 f"{tensor.qtype.name}): the file is corrupt; re-download or re-convert it")
+
+
+@contextlib.contextmanager
+def finite_checked_on_prepare(backend: Any, tensors: Mapping[str, QTensor]) -> Iterator[None]:
+    """``check_finite``, each tensor checked as the backend prepares it (its ``prepare*``
+    methods wrapped on the instance while the model is built), the rest at the end.
+
+    Checking just before the backend reads (and repacks) a tensor shares the page faults
+    and cache misses with it: on the 1.5B a separate pass first cost +0.3 s of a 1.4 s
+    load, twice what the check alone costs.
+    """
+    checked: set[int] = set()
+
+    def check(tensor: QTensor) -> None:
+        if id(tensor) not in checked:
+            checked.add(id(tensor))
+            check_finite({tensor.name: tensor})
+
+    def wrap(method: Any) -> Any:
+        def prepare(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(tensor, QTensor):
+                check(tensor)
+            return method(tensor, *args, **kwargs)
+        return prepare
+
+    names = [n for n in ("prepare", "prepare_vector", "prepare_embedding")
+             if hasattr(backend, n)]
+    own = {n: vars(backend)[n] for n in names if n in vars(backend)}  # e.g. load's progress
+    for name in names:
+        setattr(backend, name, wrap(getattr(backend, name)))
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in own:
+                setattr(backend, name, own[name])
+            else:
+                delattr(backend, name)
+    for tensor in tensors.values():  # what the model read without preparing, or not at all
+        check(tensor)
 
 
 def release_file_pages(tensors: Mapping[str, QTensor]) -> None:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import importlib
 
 from edgellm.config import ModelArgs
-from edgellm.model_checks import check_finite, check_shapes, check_types, release_file_pages
+from edgellm.model_checks import (
+    check_shapes,
+    check_types,
+    finite_checked_on_prepare,
+    release_file_pages,
+)
 
 # general.architecture -> module (relative to this package) defining ``Model``
 ARCHITECTURES: dict[str, str] = {
@@ -34,7 +39,7 @@ def build_model(metadata: dict, tensors: dict, backend):
     n_tokens = len(tokens) if hasattr(tokens, "__len__") and not isinstance(tokens, str) else None
     check_shapes(args, tensors, n_tokens)
     check_types(tensors)
-    check_finite(tensors)
-    net = cls(args, backend, tensors)
+    with finite_checked_on_prepare(backend, tensors):  # NaN/inf scales, tensor by tensor
+        net = cls(args, backend, tensors)
     release_file_pages(tensors)  # the check read every page; keep resident only what is used
     return net
