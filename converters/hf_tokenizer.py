@@ -79,11 +79,57 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+#: token ids beyond this are refused: one hostile id would otherwise make the converter
+#: pad the vocabulary to that length (the largest real vocabularies hold ~260k tokens)
+MAX_TOKEN_ID = 1 << 22
+
+
+def read_tokenizer_json(path: Path) -> dict[str, Any]:
+    """tokenizer.json, with the fields the converter reads checked for their types and the
+    token ids for their range: a damaged or hostile file is one ValueError naming the field."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read it ({exc}); re-download the model folder") \
+            from None
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}: {what}; re-download the model folder")
+
+    def is_id(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_TOKEN_ID
+
+    if not isinstance(data, dict):
+        raise bad("not a JSON object")
+    model = data.get("model", {})
+    if not isinstance(model, dict):
+        raise bad("'model' is not an object")
+    vocab = model.get("vocab", {})
+    if isinstance(vocab, dict):
+        if not all(is_id(i) for i in vocab.values()):
+            raise bad(f"model.vocab holds ids that are not integers in 0..{MAX_TOKEN_ID - 1}")
+    elif not isinstance(vocab, list):  # Unigram vocabularies are [piece, score] lists
+        raise bad("model.vocab is neither an object nor a list")
+    merges = model.get("merges", [])
+    if not isinstance(merges, list) or not all(
+            isinstance(m, str) or (isinstance(m, list) and len(m) == 2
+                                   and all(isinstance(x, str) for x in m)) for m in merges):
+        raise bad("model.merges is not a list of merges ('a b' or ['a', 'b'])")
+    added = data.get("added_tokens", [])
+    if not isinstance(added, list) or not all(
+            isinstance(a, dict) and is_id(a.get("id")) and isinstance(a.get("content"), str)
+            for a in added):
+        raise bad("added_tokens is not a list of {id, content} with ids in range")
+    if data.get("pre_tokenizer") is not None and not isinstance(data["pre_tokenizer"], dict):
+        raise bad("pre_tokenizer is not an object")
+    return data
+
+
 def tokenizer_metadata(folder: HFFolder, vocab_size: int) -> dict[str, Any]:
     """Every ``tokenizer.*`` key for the folder's tokenizer, in llama.cpp's order."""
     path = folder.path
     if (path / "tokenizer.json").is_file():
-        data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+        data = read_tokenizer_json(path / "tokenizer.json")
         model = data.get("model", {})
         steps = pre_tokenizer_signature(data.get("pre_tokenizer"))
         if model.get("type") == "BPE" and any(step[0] == "bytelevel" for step in steps):

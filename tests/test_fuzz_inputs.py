@@ -166,3 +166,35 @@ def test_server_chat_bodies(client, body):
        raw=st.binary(max_size=64) | JSON.map(lambda v: json.dumps(v).encode()))
 def test_server_arbitrary_bodies(client, path, raw):
     _check_response(client.post(path, content=raw, headers={"content-type": "application/json"}))
+
+
+# -- tokenizer.json (the converter reads it; issue 12) ----------------------------------------
+VOCAB = st.dictionaries(st.text(max_size=6), st.integers(-5, 2**40) | JSON, max_size=6)
+TOKENIZER_JSON = st.fixed_dictionaries(
+    {}, optional={
+        "model": st.fixed_dictionaries({}, optional={
+            "type": st.sampled_from(["BPE", "Unigram", "WordPiece"]) | JSON,
+            "vocab": VOCAB | JSON,
+            "merges": st.lists(st.text(max_size=6) | st.lists(st.text(max_size=3), max_size=3)
+                               | JSON, max_size=4) | JSON}) | JSON,
+        "pre_tokenizer": st.just({"type": "ByteLevel", "add_prefix_space": False,
+                                  "trim_offsets": True, "use_regex": True}) | JSON,
+        "added_tokens": st.lists(st.fixed_dictionaries({}, optional={
+            "id": st.integers(-5, 2**40) | JSON, "content": st.text(max_size=8) | JSON,
+            "special": JSON}) | JSON, max_size=3) | JSON})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(data=TOKENIZER_JSON | JSON, vocab_size=st.integers(1, 64))
+def test_tokenizer_json(tmp_path, data, vocab_size):
+    hf_folder = pytest.importorskip("edgellm.converters.hf_folder")
+    hf_tokenizer = pytest.importorskip("edgellm.converters.hf_tokenizer")
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    folder = hf_folder.HFFolder(tmp_path, {"architectures": ["LlamaForCausalLM"]}, {})
+    try:
+        meta = hf_tokenizer.tokenizer_metadata(folder, vocab_size)
+    except Exception as exc:  # noqa: BLE001
+        _one_line_value_error(exc)
+        return
+    assert len(meta["tokenizer.ggml.tokens"]) < 1 << 20  # no vocabulary blown up by one id
