@@ -197,10 +197,22 @@ def test_trim_after_wrap_on_mlx(tiny_pair):
     np.testing.assert_allclose(rest, ref[40:50], atol=1e-4)
 
 
-# -- real models (a few prompts: MLX on a CPU is slow) ----------------------------------------
+# -- real models (a few prompts: MLX on a CPU is slow; in this order, each model loads once) --
 @functools.lru_cache(maxsize=1)
 def _loaded(name: str):
     return edgellm.load(name, backend="mlx")
+
+
+@pytest.mark.slow
+def test_device_memory_within_budget(model_path):
+    """MLX's active memory after loading is at most 1.3x the GGUF file (weights, norms; the
+    untied embedding table stays in the file's mapping)."""
+    name = "gemma-3-270m"
+    size = model_path(name).stat().st_size
+    model = _loaded(name)
+    used = model.backend.device_memory()["active"]
+    print(f"{name}: MLX active {used / 2**20:.0f} MiB, GGUF {size / 2**20:.0f} MiB")
+    assert used <= 1.3 * size
 
 
 @pytest.mark.slow
@@ -217,18 +229,6 @@ def test_decode_on_mlx_matches_llama_cpp(model_path, name, entries):
     print(f"{name} [mlx]: {matches}/{positions}, largest missed margin {worst:.3f}")
     assert worst < 1.0
     assert matches / positions >= MIN_TOP1_AGREEMENT
-
-
-@pytest.mark.slow
-def test_device_memory_within_budget(model_path):
-    """MLX's active memory after loading is at most 1.3x the GGUF file (weights, norms; the
-    untied embedding table stays in the file's mapping)."""
-    name = "gemma-3-270m"
-    size = model_path(name).stat().st_size
-    model = _loaded(name)
-    used = model.backend.device_memory()["active"]
-    print(f"{name}: MLX active {used / 2**20:.0f} MiB, GGUF {size / 2**20:.0f} MiB")
-    assert used <= 1.3 * size
 
 
 # -- export: GGUF -> an MLX folder that mlx-lm loads -----------------------------------------
