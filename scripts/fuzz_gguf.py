@@ -153,7 +153,7 @@ def fuzz(n_inputs: int, seed: int, seed_dir: Path, crash_dir: Path | None, minut
     counts: collections.Counter = collections.Counter()
     reasons: collections.Counter = collections.Counter()
     findings: list[dict] = []
-    worst_ratio, worst_peak, slowest = 0.0, 0, 0.0
+    worst_ratio, worst_peak, slowest, max_ratio = 0.0, 0, 0.0, 0.0
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fuzz-gguf-") as tmp:
         worker = Worker(tmp, coverage)
@@ -180,6 +180,7 @@ def fuzz(n_inputs: int, seed: int, seed_dir: Path, crash_dir: Path | None, minut
                 reasons[_reason(result["message"])] += 1
             peak = result.get("peak", 0)
             ratio = peak / max(len(raw), 1)
+            max_ratio = max(max_ratio, ratio)
             if peak > worst_peak:
                 worst_peak, worst_ratio = peak, ratio
             over = peak > alloc_budget(len(raw))
@@ -210,7 +211,8 @@ def fuzz(n_inputs: int, seed: int, seed_dir: Path, crash_dir: Path | None, minut
         "inputs": sum(counts[k] for k in ("ok", "rejected", "crash", "hang")),
         "minutes": round(elapsed / 60, 2), "outcomes": dict(counts),
         "findings": findings, "slowest_s": round(slowest, 3),
-        "max_peak_bytes": worst_peak, "max_peak_ratio_to_file": round(worst_ratio, 2),
+        "max_peak_bytes": worst_peak, "file_ratio_at_max_peak": round(worst_ratio, 2),
+        "max_ratio_to_file": round(max_ratio, 2),
         "alloc_budget": f"{ALLOC_FACTOR} x file + {ALLOC_SLACK >> 20} MiB",
         "top_rejections": reasons.most_common(25),
         "seeds": [name for name, _ in docs],
