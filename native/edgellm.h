@@ -103,7 +103,8 @@ typedef int (*edgellm_progress_fn)(void *user_data, double fraction, const char 
  *   "backend":        "auto" (default), "cpu", "numpy"
  *   "threads":        CPU threads (default: physical cores)
  *   "context_length": tokens per sequence (default: the model's, at most 4096)
- *   "max_sequences":  sequences decoded together by the engine (default: the engine's)
+ *   "max_sequences":  sequences decoded together by the engine (default 4); each is a KV
+ *                     cache of context_length tokens, allocated by the load
  * Unknown keys are refused (EDGELLM_ERR_INVALID_JSON) rather than ignored.
  * progress may be NULL; it runs on the calling thread. On success *out_model is a new handle
  * to free with edgellm_model_free; on failure it is set to NULL.

@@ -70,6 +70,16 @@ def check(capi):
     return capi[1](ROOT / "tests" / "capi_check.c")
 
 
+def test_build_command_says_where_the_files_are_and_how_to_link(capi, capsys):
+    from edgellm.apps.cli import main
+
+    out = capi[0]
+    assert main(["capi", "build", "--out", str(out)]) == 0  # up to date: no recompilation
+    printed = capsys.readouterr().out
+    assert str(out / "edgellm.h") in printed and "-ledgellm" in printed
+    assert "EDGELLM_PYTHON" in printed
+
+
 # -- the example app streams what the Python API generates ----------------------------------
 def test_example_chat_streams_the_python_api_tokens(capi, model_path):
     from edgellm.api import load
