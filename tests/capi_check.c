@@ -118,6 +118,13 @@ static int refuse_load(void *user_data, double fraction, const char *stage) {
     return strcmp(stage, "weights") == 0; /* abort once the weights start */
 }
 
+static void *fail_on_another_thread(void *arg) {
+    char *seen = arg;
+    edgellm_model_free(NULL); /* this thread's own failure */
+    snprintf(seen, 256, "%s", edgellm_last_error());
+    return NULL;
+}
+
 static int bad_input(const char *model_name, const char *missing, const char *garbage) {
     edgellm_model *model = NULL;
     edgellm_request *req = NULL;
@@ -133,6 +140,16 @@ static int bad_input(const char *model_name, const char *missing, const char *ga
     report("null_model_tokenize", edgellm_tokenize(NULL, "hi", 0, NULL, 0, &n));
     report("null_request_cancel", edgellm_request_cancel(NULL));
     report("null_chat_request", edgellm_chat(NULL, "{}", NULL, NULL));
+
+    /* the last error is per thread: another thread's failure leaves this one's alone */
+    char other[256] = "", mine[256];
+    snprintf(mine, sizeof mine, "%s", edgellm_last_error());
+    pthread_t thread;
+    pthread_create(&thread, NULL, fail_on_another_thread, other);
+    pthread_join(thread, NULL);
+    printf("last_error_per_thread %d\n", strcmp(mine, edgellm_last_error()) == 0 &&
+                                              strstr(other, "edgellm_model_free") != NULL &&
+                                              strstr(mine, "edgellm_chat") != NULL);
 
     /* invalid and wrong-typed JSON, unknown keys, unknown model, missing file */
     report("json_invalid", edgellm_model_load("{\"model\": ", NULL, NULL, &model));

@@ -169,6 +169,7 @@ def bad_input(check, model_path, tmp_path_factory) -> dict[str, tuple[str, str]]
     assert out["detokenize_full"].startswith("EDGELLM_OK 27 Hello, world! Hello again.")
     assert out["chat_ok"] == "EDGELLM_OK"
     assert int(out["progress_calls"]) >= 2  # the progress callback ran ("file", "weights")
+    assert out["last_error_per_thread"] == "1"
     return cases
 
 
