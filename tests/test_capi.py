@@ -99,6 +99,16 @@ def test_example_chat_streams_the_python_api_tokens(capi, model_path):
     assert c.stdout == reply.text + "\n"
 
 
+def test_a_missing_python_runtime_is_a_status_and_a_message(capi):
+    exe = capi[1](ROOT / "native" / "examples" / "chat.c")
+    env = {**os.environ, "EDGELLM_PYTHON": "/nonexistent/venv/bin/python"}
+    c = subprocess.run([str(exe)], input="hi\n", capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert c.returncode == 1
+    assert "EDGELLM_ERR_RUNTIME" in c.stderr and "/nonexistent/venv/bin/python" in c.stderr
+    assert "EDGELLM_PYTHON" in c.stderr  # and what to do about it
+
+
 # -- bad input: a status and a message, never a crash --------------------------------------
 BAD_INPUT = {
     "null_out_model": "INVALID_ARGUMENT",
