@@ -340,3 +340,13 @@ def test_a_folder_loads_directly_quantized_in_memory(folders, tmp_path):
     logits = [m.net.forward(np.array(tokens), m.make_cache(32, dtype="float32"), all_logits=True)
               for m in (from_file, from_folder)]
     np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_verify_reports_tokenization_and_logits(folders, tmp_path, capsys):
+    folder, _ = folders["llama"]
+    code = convert_main([str(folder), "-o", str(tmp_path / "v.gguf"), "--type", "f32",
+                         "--verify"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "tokenization 5/5 texts equal" in out
+    assert "top-1 agreement" in out
