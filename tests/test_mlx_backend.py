@@ -272,3 +272,14 @@ def test_export_loads_in_mlx_lm_and_greedy_equals_ours(model_path, tmp_path):
         cache = ours.make_cache(len(ids) + EXPORT_TOKENS + 8, dtype="float32")
         mine = generate_step(ids, ours.net, cache, SamplingParams(temperature=0))
         assert [next(mine)[0] for _ in range(EXPORT_TOKENS)] == theirs, prompt
+
+
+def test_batched_forward_on_mlx_equals_each_alone(tiny_pair):
+    """The engine's one pass over several sequences (forward_batch) runs on MLX too, and
+    each sequence's logits are those of its own forward pass."""
+    _, model = tiny_pair
+    seqs = [TOKENS[:9], TOKENS[20:23], TOKENS[40:41]]
+    alone = [model.net.forward(np.array(s), model.make_cache(64))[-1] for s in seqs]
+    batch = [(np.array(s), model.make_cache(64)) for s in seqs]
+    for got, want in zip(model.net.forward_batch(batch), alone, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

@@ -233,7 +233,8 @@ class Model:
         rows = [int(bounds[j + 1]) - 1 for j in range(len(batch)) if want[j]]
         if not rows:
             return [None] * len(batch)
-        x = B.rms_norm(x[np.asarray(rows)], self.output_norm, self.args.norm_eps)  # (R, d)
+        x = B.rms_norm(x[B.index(np.asarray(rows))], self.output_norm,
+                       self.args.norm_eps)  # (R, d)
         logits = B.matmul(x, self.output)  # (R, vocab)
         if self.args.final_logit_softcap:
             logits = B.softcap(logits, self.args.final_logit_softcap)
