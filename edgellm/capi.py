@@ -452,8 +452,9 @@ class CRequest:
         if handle is not None:
             handle.cancel()
 
-    def wait_engine(self, timeout: float | None = 30.0) -> None:
-        """Wait until the engine is done with this request (if it was submitted)."""
+    def wait_engine(self, timeout: float | None = None) -> None:
+        """Wait until the engine is done with this request (if it was submitted): after a
+        cancel, the end of the step in flight."""
         handle = self.handle
         if handle is not None:
             handle.wait(timeout)
