@@ -173,8 +173,11 @@ class MlxBackend(Backend):
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if isinstance(table, HostTable):
             return mx.array(table.rows(ids))
-        if isinstance(table, MlxQuantWeight):  # (a table prepared as a matrix)
-            return table.dequantized()[self.index(ids)]
+        if isinstance(table, MlxQuantWeight):  # (a table prepared as a matrix): its rows only
+            rows = self.index(ids)
+            return mx.dequantize(table.packed[rows], table.scales[rows].astype(mx.float32),
+                                 table.biases[rows].astype(mx.float32),
+                                 group_size=table.group_size, bits=table.bits)
         return table[self.index(ids)]
 
     def matmul(self, x, weight, bias=None) -> mx.array:
