@@ -76,13 +76,16 @@ def test_dequantize_and_gather(qtype):
     assert np.array_equal(got, w[ids])
 
 
-def test_round_activations():
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_round_activations(qtype):
     x = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
     x[1, 40] = -900.0  # an outsized activation sets its block's scale
-    x[2, :64] = 0.0  # empty blocks
-    got = kernels.round_activations(t(x)).cpu().numpy()
-    assert np.array_equal(got, round_activations_like_ggml(x, Q.Q8_0))
-    assert np.array_equal(got, round_activations_torch(torch.from_numpy(x)).numpy())
+    x[1, 300] = 700.0
+    x[2, :256] = 0.0  # empty blocks
+    block = 256 if qtype == Q.Q4_K else 32
+    got = kernels.round_activations(t(x), block).cpu().numpy()
+    assert np.array_equal(got, round_activations_like_ggml(x, qtype))
+    assert np.array_equal(got, round_activations_torch(torch.from_numpy(x), block).numpy())
 
 
 def test_rms_norm_rope_glu():

@@ -4,8 +4,8 @@
   ``BN`` rows of W and walks K a few 64-weight chunks at a time; the weights are expanded
   once per tile and used by every token.
 - ``dequantize``: W (or some of its rows: embedding lookups) to f16/f32, for prefill GEMMs.
-- ``round_activations``: x rounded to 8-bit blocks of 32 as llama.cpp rounds activations, so
-  that logits follow llama.cpp's where 8-bit blocks matter.
+- ``round_activations``: x rounded to 8-bit blocks as llama.cpp rounds activations (Q8_0 per
+  32, Q8_K per 256), so that logits follow llama.cpp's where 8-bit blocks matter.
 - ``rms_norm``, ``rope``, ``glu``: one launch each instead of a handful of torch ops (in
   decode, launches rather than bytes set the pace).
 
@@ -138,18 +138,28 @@ def _dequant_kernel(out_ptr, ids_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr
 
 
 @triton.jit
-def _round_kernel(x_ptr, out_ptr, K, BLOCK: tl.constexpr):
-    """One block of one row, as x86 Q8_0 rounds it: q = rint(x * 127/amax), d = f16(amax/127)."""
+def _round_kernel(x_ptr, out_ptr, K, BLOCK: tl.constexpr, K_QUANT: tl.constexpr):
+    """One block of one row: Q8_K (per 256: iscale = -127/peak, q = min(127, rint(x*iscale)),
+    d = 1/iscale) or x86 Q8_0 (per 32: q = rint(x * 127/amax), d = f16(amax/127))."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     j = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * K + blk * BLOCK + j)
-    amax = tl.max(tl.abs(x), axis=0)
-    safe = tl.where(amax == 0.0, 1.0, amax)
-    v = x * tl.math.div_rn(127.0, safe)
-    q = (v + _MAGIC) - _MAGIC
-    d = tl.where(amax == 0.0, 0.0, tl.math.div_rn(safe, 127.0))
-    tl.store(out_ptr + row * K + blk * BLOCK + j, q * d.to(tl.float16).to(tl.float32))
+    ax = tl.abs(x)
+    amax = tl.max(ax, axis=0)
+    if K_QUANT:
+        first = tl.min(tl.where(ax == amax, j, BLOCK), axis=0)  # first index of the peak
+        peak = tl.sum(tl.where(j == first, x, 0.0), axis=0)
+        safe = tl.where(peak == 0.0, 1.0, peak)
+        iscale = tl.math.div_rn(-127.0, safe)
+        q = tl.minimum(((x * iscale) + _MAGIC) - _MAGIC, 127.0)
+        d = tl.where(peak == 0.0, 0.0, tl.math.div_rn(1.0, iscale))
+    else:
+        safe = tl.where(amax == 0.0, 1.0, amax)
+        q = ((x * tl.math.div_rn(127.0, safe)) + _MAGIC) - _MAGIC
+        d = tl.where(amax == 0.0, 0.0, tl.math.div_rn(safe, 127.0))
+        d = d.to(tl.float16).to(tl.float32)
+    tl.store(out_ptr + row * K + blk * BLOCK + j, q * d)
 
 
 @triton.jit
@@ -252,12 +262,14 @@ def dequantize(p: Planes, dtype, ids=None):
 
 
 def round_activations(x, block: int = 32):
-    """x (n, K) f32 with K % block == 0, rounded to 8-bit blocks (llama.cpp's q8 activations)."""
+    """x (n, K) f32 with K % block == 0, rounded to 8-bit blocks as llama.cpp rounds
+    activations: Q8_0 per 32, or Q8_K per 256 (``block=256``)."""
     import torch
 
     n, K = x.shape
     out = torch.empty_like(x)
-    _round_kernel[(n, K // block)](x, out, K, BLOCK=block, num_warps=1)
+    _round_kernel[(n, K // block)](x, out, K, BLOCK=block, K_QUANT=block == 256,
+                                   num_warps=1 if block == 32 else 2)
     return out
 
 
