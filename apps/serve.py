@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 8, or as many as --kv-budget holds)")
     g.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot before new ones get 503 (default 64)")
-    g.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens per step while others decode (default 256)")
+    g.add_argument("--prefill-chunk", type=int, default=128,
+                   help="prompt tokens per step while others decode (default 128)")
     return p
 
 

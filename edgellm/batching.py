@@ -37,7 +37,9 @@ from edgellm.sampling import SamplingParams, logits_processor, make_sampler
 #: tokens one forward pass takes at most (the model's own prompt slice)
 MAX_STEP_TOKENS = 512
 #: prompt tokens per step while other sequences are decoding (their inter-token latency)
-DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_CHUNK = 128
+#: seconds of steps the decode rate (tokens/s in /metrics) is measured over
+RATE_WINDOW_S = 10.0
 #: most top logprobs a request may ask for (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
 
@@ -233,15 +235,13 @@ class Scheduler:
         """Tokens held by active sequences' caches."""
         return sum(s.cache.offset for s in self.slots if s.seq is not None)
 
-    def decode_tps(self, window_s: float = 10.0) -> float:
-        """Tokens sampled per second over the last ``window_s`` seconds."""
+    def decode_tps(self) -> float:
+        """Tokens sampled per second over the last RATE_WINDOW_S seconds."""
         now = time.perf_counter()
-        while self.recent and self.recent[0][0] < now - window_s:
-            self.recent.popleft()
-        if not self.recent:
+        recent = [(t, n) for t, n in list(self.recent) if t >= now - RATE_WINDOW_S]
+        if not recent:
             return 0.0
-        span = max(now - self.recent[0][0], 1e-3)
-        return sum(n for _, n in self.recent) / span
+        return sum(n for _, n in recent) / max(now - recent[0][0], 1e-3)
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> int:
@@ -272,7 +272,10 @@ class Scheduler:
             if row is not None:
                 self._sample(seq, row)
                 sampled += 1
-        self.recent.append((time.perf_counter(), sampled))
+        now = time.perf_counter()
+        self.recent.append((now, sampled))
+        while self.recent[0][0] < now - RATE_WINDOW_S:  # bounded whether or not anyone reads it
+            self.recent.popleft()
         return sum(len(t) for _, t, _ in plan)
 
     def _drop_cancelled(self) -> None:

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgellm import __version__
@@ -381,7 +382,7 @@ class Exchange:
                                           lp, c.finish_reason) | usage_field)
             else:
                 if include_usage:
-                    yield self.sse(self.base("chunk") | {
+                    yield self.sse(self.chunk_base() | {
                         "choices": [], "usage": usage_record(self.choices, self.body.n)})
             yield "data: [DONE]\n\n"
         finally:
@@ -392,9 +393,9 @@ class Exchange:
     def tokenizer(self):
         return self.state.engine.model.tokenizer
 
-    def base(self, what: str) -> dict:
-        obj = {"chat": "chat.completion.chunk", "text": "text_completion"}[
-            "chat" if self.kind == "chat" else "text"]
+    def chunk_base(self) -> dict:
+        """The fields every streamed chunk carries."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.state.model_id, "system_fingerprint": f"edgellm-{__version__}"}
 
@@ -406,7 +407,7 @@ class Exchange:
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
-        return self.base("chunk") | {"choices": [choice]}
+        return self.chunk_base() | {"choices": [choice]}
 
     @staticmethod
     def sse(record: dict) -> str:
@@ -499,9 +500,12 @@ def create_app(engine: Engine, model_id: str, *, api_key: str | None = None,
                                    f"{prefix}-{uuid.uuid4().hex[:24]}")
         exchange = Exchange(state, request, kind, body, requests)
         if body.stream:
+            # the background task cancels the choices even when the client leaves before
+            # the stream's generator ever ran (its finally would not)
             return StreamingResponse(exchange.stream(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"})
+                                              "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(exchange.cancel))
         try:
             return JSONResponse(await exchange.collect())
         except ClientGone:
