@@ -4,8 +4,8 @@ Float types and q8_0 follow ``convert_hf_to_gguf.py``: vectors stay F32, every 2
 takes the type (F16 where its rows are not whole blocks). q4_0, q5_0 and the ``_k_m``/``q6_k``
 mixes follow ``llama-quantize``: the output matrix (and a tied embedding) Q6_K, or Q8_0 when
 its width is not a whole number of the type's blocks; under q4_k_m/q5_k_m a share of
-``attn_v`` and ``ffn_down`` matrices (the first and last eighth of them, and every third
-between) Q6_K; then a 256-block type that does not fit a width falls back (Q4_K -> Q5_0,
+``attn_v`` and ``ffn_down`` matrices (the first and last eighth of the layers, and every
+third between) Q6_K; then a 256-block type that does not fit a width falls back (Q4_K -> Q5_0,
 Q5_K -> Q5_1, Q6_K -> Q8_0, else F16), and every fallback is reported.
 """
 
@@ -57,15 +57,20 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+def layer_of(name: str) -> int:
+    """N of ``blk.N.*``."""
+    return int(name.split(".")[1])
+
+
 class Recipe:
-    """Assigns types in file order (llama-quantize counts attn_v/ffn_down as it meets them)."""
+    """Assigns types per tensor. llama-quantize counts attn_v/ffn_down in the order its model
+    loader lists them, which is by layer number: the count is the layer's index."""
 
     def __init__(self, kind: OutType, names: list[str]):
         self.kind = kind
         self.tied = "output.weight" not in names
         self.n_attn_v = sum("attn_v.weight" in n for n in names)
         self.n_ffn_down = sum("ffn_down" in n for n in names)
-        self.i_attn_v = self.i_ffn_down = 0
 
     def choose(self, name: str, shape: tuple[int, ...]) -> tuple[GGMLQuantizationType, str | None]:
         """(type, note): note says why a tensor fell back from the type it should have had."""
@@ -89,13 +94,11 @@ class Recipe:
                 return Q.Q8_0
             return Q.Q6_K if t != Q.Q8_0 else t
         if "attn_v.weight" in name:
-            if kind in ("q4_k_m", "q5_k_m") and use_more_bits(self.i_attn_v, self.n_attn_v):
+            if kind in ("q4_k_m", "q5_k_m") and use_more_bits(layer_of(name), self.n_attn_v):
                 t = Q.Q6_K
-            self.i_attn_v += 1
         elif "ffn_down" in name:
-            if kind in ("q4_k_m", "q5_k_m") and use_more_bits(self.i_ffn_down, self.n_ffn_down):
+            if kind in ("q4_k_m", "q5_k_m") and use_more_bits(layer_of(name), self.n_ffn_down):
                 t = Q.Q6_K
-            self.i_ffn_down += 1
         return t
 
     @staticmethod
