@@ -87,7 +87,9 @@ def test_atomic_write_survives_sigkill(tmp_path):
         return bool(strays)
 
     mid = kill_at_random_moments(write_forever, check)
-    assert mid >= KILLS // 2, f"only {mid} of {KILLS} kills landed mid-write"
+    # every kill is checked above; this only proves the test is not vacuous (on a loaded
+    # machine some kills land while the child is still computing its payload)
+    assert mid >= 1, "no kill landed mid-write"
 
 
 def test_atomic_write_failure_keeps_previous_and_cleans_up(tmp_path):
