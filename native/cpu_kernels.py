@@ -92,30 +92,45 @@ def cache_dir() -> Path:
     return Path(base) / "native"
 
 
-def _build(variant: str) -> Path:
+def build_extension(prefix: str, source: str, cdef: str, flags: list[str],
+                    link_args: tuple[str, ...] = ()) -> Path:
+    """A cffi extension of ``source`` in the cache, compiled once per source, cdef and flags.
+
+    Built in a private folder, then renamed into the cache: a build killed mid-link never
+    leaves a truncated library under the name later runs would load.
+    """
     import cffi
 
-    flags = ["-O3", "-pthread", "-fno-math-errno"] + VARIANTS[variant][1]
-    source = "\n".join(path.read_text() for path in SOURCES)
-    key = hashlib.sha256((source + CDEF + " ".join(flags)).encode()).hexdigest()[:12]
-    name = f"_edgellm_cpu_{variant}_{key}"
+    key = hashlib.sha256((source + cdef + " ".join(flags)).encode()).hexdigest()[:12]
+    name = f"{prefix}_{key}"
     out_dir = cache_dir()
     found = list(out_dir.glob(name + "*.so")) if out_dir.is_dir() else []
     if found:
         return found[0]
     out_dir.mkdir(parents=True, exist_ok=True)
     ffi = cffi.FFI()
-    ffi.cdef(CDEF)
-    ffi.set_source(name, source, extra_compile_args=flags,
-                   extra_link_args=["-pthread"])
-    # built in a private folder, then renamed into the cache: a build killed mid-link never
-    # leaves a truncated library under the name later runs would load
+    ffi.cdef(cdef)
+    ffi.set_source(name, source, extra_compile_args=flags, extra_link_args=list(link_args))
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
         built = Path(ffi.compile(tmpdir=tmp))
         final = out_dir / built.name
         os.replace(built, final)
     fsync_dir(out_dir)
     return final
+
+
+def import_extension(path: Path) -> Any:
+    """The compiled module at ``path`` (``.lib``, ``.ffi``)."""
+    spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(variant: str) -> Path:
+    flags = ["-O3", "-pthread", "-fno-math-errno"] + VARIANTS[variant][1]
+    source = "\n".join(path.read_text() for path in SOURCES)
+    return build_extension(f"_edgellm_cpu_{variant}", source, CDEF, flags, ("-pthread",))
 
 
 def load(variant: str | None = None) -> Any | None:
@@ -125,10 +140,7 @@ def load(variant: str | None = None) -> Any | None:
         return None
     if variant not in _loaded:
         try:
-            path = _build(variant)
-            spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            module = import_extension(_build(variant))
         except Exception as exc:  # no compiler, no cffi, odd toolchain: use Numba instead
             warnings.warn(f"edgellm: C kernels unavailable ({exc}); using Numba", stacklevel=2)
             module = None
