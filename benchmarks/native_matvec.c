@@ -3,7 +3,7 @@
  * above that, on 3 copies (it is compute-bound). Compiled as one unit with the kernels (it
  * calls their internal functions):
  *
- *   cat native/cpu_kernels.c native/cpu_gemm.c benchmarks/native_matvec.c > /tmp/nm.c
+ *   cat native/cpu_pool.c native/cpu_kernels.c native/cpu_gemm.c benchmarks/native_matvec.c > /tmp/nm.c
  *   gcc -O3 -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512vnni -pthread \
  *       /tmp/nm.c -o /tmp/nm -lm
  *   /tmp/nm QTYPE ROWS COLS TOKENS THREADS     e.g. /tmp/nm 8 151936 896 1 1 (Q8_0 output head)

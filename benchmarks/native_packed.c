@@ -3,7 +3,7 @@
  * and ek_matmul_f32 (the mat-vec kernels on the file's blocks, n <= 8). Best of 20 each;
  * GB/s of the weights as stored. Compiled as one unit with the kernels:
  *
- *   cat native/cpu_kernels.c native/cpu_gemm.c native/cpu_packed.c \
+ *   cat native/cpu_pool.c native/cpu_kernels.c native/cpu_gemm.c native/cpu_packed.c \
  *       benchmarks/native_packed.c > /tmp/np.c
  *   gcc -O3 -fno-math-errno -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl \
  *       -mavx512vnni -pthread /tmp/np.c -o /tmp/np -lm

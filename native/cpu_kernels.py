@@ -19,10 +19,10 @@ from typing import Any
 
 from edgellm.atomic import fsync_dir
 
-#: compiled as one unit, in this order (the GEMM uses the mat-vec file's helpers and pool, the
-#: packed weights the GEMM's tiles)
+#: compiled as one unit, in this order (the thread pool first; the GEMM uses the mat-vec file's
+#: helpers, the packed weights the GEMM's tiles)
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_kernels.c", "cpu_gemm.c", "cpu_packed.c"))
+                for name in ("cpu_pool.c", "cpu_kernels.c", "cpu_gemm.c", "cpu_packed.c"))
 
 CDEF = """
 int ek_supports(int qtype);

@@ -1,0 +1,125 @@
+/* The thread pool every kernel file shares (portable C: x86 and aarch64), compiled first.
+ *
+ * Work is split into chunks of CHUNK_ROWS rows: their weight blocks stay in L1 across token
+ * groups, and a chunk is also the unit the packed layouts and the GEMM tiles are built on.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define CHUNK_ROWS 16  /* rows per unit of work */
+
+/* a spin-wait hint to the core (pause / yield) */
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* ---- a small thread pool without barriers -------------------------------------------------
+ * A mat-vec is split into chunks of rows. The caller publishes the job and works through
+ * chunks itself; helper threads claim chunks with a compare-and-swap on one 64-bit word
+ * (generation | chunk count | next chunk), so a helper that wakes late finds the job taken and
+ * costs nothing: on a busy machine nobody waits for a descheduled thread to arrive, only for
+ * chunks already claimed to finish. Helpers spin briefly, then sleep on a condition variable.
+ */
+
+#define MAX_HELPERS 63
+#define SPIN_ITERS 5000  /* ~0.2 ms of pause before sleeping */
+
+/* One parallel job: run(ctx, r0, r1) over row chunks [r0, r1) of CHUNK_ROWS rows. */
+typedef void (*rows_fn)(const void *ctx, int r0, int r1);
+
+typedef struct {
+    rows_fn run;
+    const void *ctx;
+    int rows;
+} job_t;
+
+static job_t g_job;
+static _Atomic uint64_t g_ctr;  /* gen (24 bits) | nchunks (20) | next (20) */
+static atomic_int g_done, g_sleeping;
+static int g_helpers;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time */
+
+#define CTR(gen, nch, next) (((uint64_t)(gen) << 40) | ((uint64_t)(nch) << 20) | (uint64_t)(next))
+
+static void run_chunk(int c) {
+    const job_t *j = &g_job;
+    int r0 = c * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < j->rows ? r0 + CHUNK_ROWS : j->rows;
+    j->run(j->ctx, r0, r1);
+}
+
+/* Claim and run chunks of the job whose generation is gen, until none are left. */
+static void work(uint64_t gen) {
+    uint64_t v = atomic_load(&g_ctr);
+    for (;;) {
+        uint64_t nch = (v >> 20) & 0xFFFFF, next = v & 0xFFFFF;
+        if ((v >> 40) != gen || next >= nch) return;
+        if (atomic_compare_exchange_weak(&g_ctr, &v, v + 1)) {
+            run_chunk((int)next);
+            atomic_fetch_add(&g_done, 1);
+            v = atomic_load(&g_ctr);
+        }
+    }
+}
+
+static void *helper_main(void *arg) {
+    (void)arg;
+    uint64_t seen = atomic_load(&g_ctr) >> 40;
+    for (;;) {
+        uint64_t gen = seen;
+        for (int i = 0; i < SPIN_ITERS && gen == seen; i++) {
+            cpu_relax();
+            gen = atomic_load(&g_ctr) >> 40;
+        }
+        if (gen == seen) {
+            pthread_mutex_lock(&g_mu);
+            atomic_fetch_add(&g_sleeping, 1);
+            while ((gen = atomic_load(&g_ctr) >> 40) == seen) pthread_cond_wait(&g_cv, &g_mu);
+            atomic_fetch_sub(&g_sleeping, 1);
+            pthread_mutex_unlock(&g_mu);
+        }
+        seen = gen;
+        work(gen);
+    }
+    return 0;
+}
+
+static void ensure_helpers(int n) {
+    while (g_helpers < n && g_helpers < MAX_HELPERS) {
+        pthread_t t;
+        if (pthread_create(&t, 0, helper_main, 0) != 0) return;
+        pthread_detach(t);
+        g_helpers++;
+    }
+}
+
+/* Run run(ctx, r0, r1) over all rows in chunks, on the caller and nthreads - 1 helpers. */
+static void parallel_rows(rows_fn run, const void *ctx, int rows, int nthreads) {
+    const int nchunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    if (nthreads <= 1 || nchunks < 2 || nchunks >= (1 << 20)) {
+        for (int r = 0; r < rows; r += CHUNK_ROWS)
+            run(ctx, r, r + CHUNK_ROWS < rows ? r + CHUNK_ROWS : rows);
+        return;
+    }
+    pthread_mutex_lock(&g_call_mu);
+    ensure_helpers(nthreads - 1);
+    job_t j = {run, ctx, rows};
+    g_job = j;
+    atomic_store(&g_done, 0);
+    uint64_t gen = ((atomic_load(&g_ctr) >> 40) + 1) & 0xFFFFFF;
+    atomic_store(&g_ctr, CTR(gen, nchunks, 0));
+    if (atomic_load(&g_sleeping) > 0) {
+        pthread_mutex_lock(&g_mu);
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+    }
+    work(gen);
+    while (atomic_load(&g_done) < nchunks) cpu_relax();
+    pthread_mutex_unlock(&g_call_mu);
+}
