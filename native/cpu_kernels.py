@@ -1,9 +1,11 @@
-"""Loader for the optional C kernels (cpu_kernels.c + cpu_gemm.c), built with cffi on first use.
+"""Loader for the optional C kernels, built with cffi on first use.
 
-The build picks the best instruction set this CPU has (AVX-512 VNNI, else AVX2; never AMX),
-compiles once into a cache folder keyed by the source's hash and the flags, and loads the
-result. ``load()`` returns None, never raises, where there is no x86 AVX2, no compiler or no
-cffi: callers fall back to the Numba kernels.
+x86 builds cpu_kernels.c + cpu_gemm.c + cpu_packed.c, aarch64 builds cpu_neon.c (each after the
+shared thread pool, cpu_pool.c). The build picks the best instruction set this CPU has
+(AVX-512 VNNI, else AVX2, never AMX; NEON with dotprod, else plain NEON), compiles once into a
+cache folder keyed by the source's hash and the flags, and loads the result. ``load()``
+returns None, never raises, where there is no such CPU, no compiler or no cffi: callers fall
+back to the Numba kernels.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import importlib.util
 import os
 import platform
+import subprocess
 import tempfile
 import warnings
 from pathlib import Path
@@ -19,10 +22,12 @@ from typing import Any
 
 from edgellm.atomic import fsync_dir
 
-#: compiled as one unit, in this order (the thread pool first; the GEMM uses the mat-vec file's
-#: helpers, the packed weights the GEMM's tiles)
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_pool.c", "cpu_kernels.c", "cpu_gemm.c", "cpu_packed.c"))
+#: per architecture, compiled as one unit in this order (the thread pool first; on x86 the GEMM
+#: uses the mat-vec file's helpers, the packed weights the GEMM's tiles)
+SOURCES: dict[str, tuple[Path, ...]] = {
+    arch: tuple(Path(__file__).with_name(name) for name in names)
+    for arch, names in (("x86_64", ("cpu_pool.c", "cpu_kernels.c", "cpu_gemm.c", "cpu_packed.c")),
+                        ("aarch64", ("cpu_pool.c", "cpu_neon.c")))}
 
 CDEF = """
 int ek_supports(int qtype);
@@ -58,30 +63,67 @@ VARIANTS: dict[str, tuple[tuple[str, ...], list[str]]] = {
                    ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                     "-mavx512vnni"]),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+    # aarch64 (/proc/cpuinfo "Features"): sdot with dotprod (Armv8.2+: Apple M, Snapdragon X,
+    # Cortex-A76/Pi 5), else vmull_s8 + pairwise adds (Cortex-A72/Pi 4)
+    "neon_dotprod": (("asimd", "asimddp"), ["-march=armv8.2-a+dotprod"]),
+    "neon": (("asimd",), ["-march=armv8-a"]),
 }
 
 _loaded: dict[str, Any] = {}
 
 
+def machine_arch() -> str | None:
+    """"x86_64" or "aarch64" (the architectures with C kernels), or None."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        return "x86_64"
+    if machine in ("aarch64", "arm64"):
+        return "aarch64"
+    return None
+
+
+def variant_arch(variant: str) -> str:
+    """The architecture a kernel variant is built for."""
+    return "aarch64" if variant.startswith("neon") else "x86_64"
+
+
+def _darwin_arm_flags() -> set[str]:
+    """macOS on Apple silicon has no /proc/cpuinfo: its sysctl names, as Linux's flags."""
+    flags = {"asimd"}
+    for flag, key in (("asimddp", "FEAT_DotProd"), ("i8mm", "FEAT_I8MM")):
+        try:
+            got = subprocess.run(["sysctl", "-n", f"hw.optional.arm.{key}"],
+                                 capture_output=True, text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            got = ""
+        if got == "1":
+            flags.add(flag)
+    return flags
+
+
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where that is unavailable)."""
+    """The CPU's feature flags from /proc/cpuinfo ("flags" on x86, "Features" on ARM; empty
+    where that is unavailable)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    if platform.system() == "Darwin" and machine_arch() == "aarch64":
+        return _darwin_arm_flags()
     return set()
 
 
 def best_variant() -> str | None:
-    """The fastest kernel variant this CPU runs, or None off x86."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    """The fastest kernel variant this CPU runs, or None off x86-64 and aarch64."""
+    arch = machine_arch()
+    if arch is None:
         return None
     flags = cpu_flags()
     for name, (needs, _) in VARIANTS.items():
-        if all(f in flags for f in needs):
+        if variant_arch(name) == arch and all(f in flags for f in needs):
             return name
     return None
 
@@ -129,15 +171,15 @@ def import_extension(path: Path) -> Any:
 
 def _build(variant: str) -> Path:
     flags = ["-O3", "-pthread", "-fno-math-errno"] + VARIANTS[variant][1]
-    source = "\n".join(path.read_text() for path in SOURCES)
+    source = "\n".join(path.read_text() for path in SOURCES[variant_arch(variant)])
     return build_extension(f"_edgellm_cpu_{variant}", source, CDEF, flags, ("-pthread",))
 
 
 def load(variant: str | None = None) -> Any | None:
     """The compiled kernel module (``.lib``, ``.ffi``) for variant (default: best), or None."""
     variant = variant or best_variant()
-    if variant is None:
-        return None
+    if variant is None or variant_arch(variant) != machine_arch():
+        return None  # none here, or another architecture's (the AVX2 build on an ARM CPU)
     if variant not in _loaded:
         try:
             module = import_extension(_build(variant))
