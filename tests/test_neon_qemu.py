@@ -39,8 +39,8 @@ from edgellm.quants import GGML_QUANT_SIZES, Q, dequantize
 
 CROSS_CC = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64")
-ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ROOT / "tests" / "native" / "neon_driver.c"
+NATIVE = Path(cpu_kernels.__file__).resolve().parent  # the kernel sources
+DRIVER = Path(__file__).resolve().parent / "native" / "neon_driver.c"
 NEON_VARIANTS = [v for v in cpu_kernels.VARIANTS if cpu_kernels.variant_arch(v) == "aarch64"]
 #: the oldest qemu core model each variant must run on: plain NEON on a Cortex-A72 (Raspberry
 #: Pi 4: no dotprod, so a stray sdot would be an illegal instruction), dotprod on a Cortex-A76
@@ -268,7 +268,7 @@ def _compile(variant: str, out_dir: Path) -> Path:
     exe = out_dir / f"neon_driver_{variant}"
     flags = cpu_kernels.VARIANTS[variant][1]
     cmd = [CROSS_CC, "-O3", "-pthread", "-fno-math-errno", *flags, "-static", "-Wall", "-Werror",
-           "-I", str(ROOT / "native"), str(DRIVER), "-o", str(exe), "-lm"]
+           "-I", str(NATIVE), str(DRIVER), "-o", str(exe), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{variant}: cross build failed\n{done.stderr}"
     return exe
