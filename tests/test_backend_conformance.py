@@ -203,8 +203,8 @@ def test_activations_at_prefill_size(backend):
 
 
 def _c_kernel_variants():
-    """(id, CpuBackend) for each C kernel variant this CPU can run (best, and AVX2 too), with
-    and without weights packed at load where the build packs them."""
+    """(id, CpuBackend) for each C kernel variant this CPU can run (best, and AVX2 too; on ARM
+    plain NEON too), with and without weights packed at load where the build packs them."""
     if "cpu" not in available_backends():
         return []
     from edgellm.native import cpu_kernels
@@ -212,7 +212,8 @@ def _c_kernel_variants():
     best = cpu_kernels.best_variant()
     if best is None or cpu_kernels.load() is None:
         return []
-    names = [best] + [v for v in ("avx2",) if v != best and cpu_kernels.load(v) is not None]
+    names = [best] + [v for v in ("avx2", "neon")  # load(): None for another architecture's
+                      if v != best and cpu_kernels.load(v) is not None]
     out = []
     for name in names:
         b = get_backend("cpu", kernels="c")

@@ -1,11 +1,12 @@
 """The fast CPU backend: quantized weights used in place, never expanded to f32.
 
-With the C kernels (AVX-512 VNNI / AVX2, native/): activations are rounded to int8 as
-llama.cpp rounds them and dotted with the weight blocks, by mat-vec kernels in decode and an
-int8 GEMM in prefill; norms, RoPE, activations and decode attention are C too, and Numba is
-never imported (it costs ~65 MB of resident memory and half a second of start-up). Without
-them (no compiler, not x86) the Numba kernels decode one weight row at a time in decode, and
-prefill decodes tiles of rows to f32 for BLAS.
+With the C kernels (AVX-512 VNNI / AVX2 on x86, NEON on aarch64, native/): activations are
+rounded to int8 as llama.cpp rounds them and dotted with the weight blocks, by mat-vec kernels
+in decode and an int8 GEMM in prefill (AVX-512 VNNI; elsewhere the mat-vec kernels in groups
+of 8 tokens); norms, RoPE, activations and decode attention are C too, and Numba is never
+imported (it costs ~65 MB of resident memory and half a second of start-up). Without them (no
+compiler, neither x86 nor ARM) the Numba kernels decode one weight row at a time in decode,
+and prefill decodes tiles of rows to f32 for BLAS.
 
 Weights keep the GGUF file's own blocks (zero copy over its mmap), so a tied embedding serves
 both lookup and output from the same bytes and resident memory stays near the file size.
@@ -166,7 +167,8 @@ class CpuBackend(NumpyBackend):
         self.native = None if kernels == "numba" else cpu_kernels.load()
         if kernels == "c" and self.native is None:
             raise RuntimeError("C kernels requested but they do not build here "
-                               "(need x86 AVX2, a C compiler and cffi: pip install cffi)")
+                               "(need x86 AVX2 or aarch64, a C compiler and cffi: "
+                               "pip install cffi)")
         self.kernels = "c" if self.native is not None else "numba"
         #: weights repacked at load for the C tiles (AVX-512 VNNI builds; EDGELLM_PACK=0: off)
         self.packing = (self.native is not None and os.environ.get("EDGELLM_PACK", "1") != "0"
