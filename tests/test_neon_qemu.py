@@ -23,6 +23,7 @@ Skips (with the reason) where the cross compiler or qemu is missing.
 from __future__ import annotations
 
 import platform
+import re
 import shutil
 import struct
 import subprocess
@@ -421,6 +422,24 @@ def test_qemu_core_models_reject_what_they_lack(neon_results):
     done = subprocess.run([QEMU, "-cpu", "cortex-a72", str(BUILT["neon_dotprod"])],
                           input=jobs.stream(), capture_output=True, timeout=60)
     assert done.returncode != 0
+
+
+def test_c_api_matches_cdef(neon_results, tmp_path):
+    """Every function Python declares (cpu_kernels.CDEF) is defined by the ARM build with that
+    exact signature: CDEF's prototypes compiled after the sources (a conflicting type is an
+    error) and every function's address taken (a missing one fails to link)."""
+    names = re.findall(r"\b(ek_\w+)\s*\(", cpu_kernels.CDEF)
+    assert len(names) >= 13
+    src = tmp_path / "api.c"
+    table = ", ".join(f"(void *){name}" for name in names)
+    src.write_text('#include "cpu_pool.c"\n#include "cpu_neon.c"\n' + cpu_kernels.CDEF
+                   + f"\nint main(void) {{\n    void *fns[] = {{{table}}};\n"
+                   + "    return fns[0] == 0;\n}\n")
+    done = subprocess.run([CROSS_CC, "-O0", "-pthread", "-static", "-Werror", "-I", str(NATIVE),
+                           str(src), "-o", str(tmp_path / "api"), "-lm"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert subprocess.run([QEMU, str(tmp_path / "api")], timeout=60).returncode == 0
 
 
 def test_unsupported_type_is_refused(neon_results):
