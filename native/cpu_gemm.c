@@ -47,7 +47,9 @@
  */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define HAVE_GEMM 1
+#define HAVE_GEMM 1  /* the file-block GEMM and the packed tiles below are AVX-512; the AVX2
+                        build shares the activation and chunk layouts (cpu_packed.c) */
+#endif
 
 #ifndef GEMM_T
 #define GEMM_T 8  /* tokens per register tile: 8 int32 + 8 (K-quants 16) f32 accumulators;
@@ -89,16 +91,20 @@ static inline int tile_len(int left) { return left >= GEMM_T ? GEMM_T : left; }
  *   x:  (cols / 4, T, 4) int8     the T tokens' 4 activations of each column group
  *   xc: (cols / L, T) int32        -off * sum_s(xq): the offset types' integer start
  *   f1: per-block types (cols / 32, T) xd; K-quants (cols / 256, T) xd
- *   f2: (cols / 32, T) per-block min types: xd * sum_s(xq) (K-quants take their sums from xc) */
+ *   f2: (cols / 32, T) per-block min types: xd * sum_s(xq) (K-quants take their sums from xc)
+ *   xp: (cols / L / 2, T) K-quants: sum_s(xq) of sub-blocks 2i, 2i + 1 as one int32 of two
+ *       int16 (|sum| <= 32 * 127), the operand vpmaddwd pairs with two sub-blocks' minimums
+ *       or scales (the AVX2 tiles) */
 typedef struct {
     int8_t *x;
-    int32_t *xc;
+    int32_t *xc, *xp;
     float *f1, *f2;
 } gemm_acts_t;
 
 static void acts_free(gemm_acts_t *a) {
     free(a->x);
     free(a->xc);
+    free(a->xp);
     free(a->f1);
     free(a->f2);
 }
@@ -106,11 +112,13 @@ static void acts_free(gemm_acts_t *a) {
 /* One token (xq, xd, xs as quantize_rows / quantize_rows_q8k give them) into slot t of a tile
  * of T whose arrays start at x, xc, f1, f2. */
 static void acts_token(form_t f, int cols, const int8_t *xq, const float *xd, const int32_t *xs,
-                       int T, int t, int8_t *x, int32_t *xc, float *f1, float *f2) {
+                       int T, int t, int8_t *x, int32_t *xc, int32_t *xp, float *f1, float *f2) {
     for (int k = 0; k < cols / 4; k++) memcpy(x + 4 * ((int64_t)k * T + t), xq + 4 * k, 4);
     for (int s = 0; s < cols / f.L; s++) {
         const int32_t sum = f.L == 16 ? xs[s] : xs[2 * s] + xs[2 * s + 1];
         xc[(int64_t)s * T + t] = f.min ? sum : -f.off * sum;  /* min types: the sum itself */
+        if (f.kq && s % 2 == 0) xp[(int64_t)s / 2 * T + t] = (int32_t)((uint32_t)sum & 0xFFFFu);
+        if (f.kq && s % 2 == 1) xp[(int64_t)s / 2 * T + t] |= (int32_t)((uint32_t)sum << 16);
     }
     for (int b = 0; b < cols / 32; b++) {
         const int32_t sum = xs[2 * b] + xs[2 * b + 1];
@@ -128,16 +136,18 @@ static int acts_init(gemm_acts_t *a, form_t f, const int8_t *xq, const float *xd
     const int nb = cols / 32;
     a->x = malloc((size_t)n * cols);
     a->xc = malloc(sizeof(int32_t) * n * (cols / 16));
+    a->xp = malloc(sizeof(int32_t) * n * (cols / 32));
     a->f1 = malloc(sizeof(float) * n * nb);
     a->f2 = malloc(sizeof(float) * n * nb);
-    if (!a->x || !a->xc || !a->f1 || !a->f2) return 0;
+    if (!a->x || !a->xc || !a->xp || !a->f1 || !a->f2) return 0;
     for (int t0 = 0, T; t0 < n; t0 += T) {
         T = tile_len(n - t0);
         for (int t = 0; t < T; t++) {
             const int64_t tok = t0 + t;
             acts_token(f, cols, xq + tok * cols, xd + tok * nb, xs + tok * 2 * nb, T, t,
                        a->x + (int64_t)t0 * cols, a->xc + (int64_t)t0 * (cols / f.L),
-                       a->f1 + (int64_t)t0 * nb, a->f2 + (int64_t)t0 * nb);
+                       a->xp + (int64_t)t0 * (cols / f.L / 2), a->f1 + (int64_t)t0 * nb,
+                       a->f2 + (int64_t)t0 * nb);
         }
     }
     return 1;
@@ -265,7 +275,14 @@ static void decode_q6k(const uint8_t *w, int nsb, uint8_t *q, int32_t *sc, float
 }
 
 /* 16 rows of 64 bytes (src, stride apart) -> dst (16, 16, 4): dword k of row r to dst + 64 k
- * + 4 r. Three rounds of in-lane unpacks and 128-bit shuffles, no scalar dword moves. */
+ * + 4 r. Three rounds of in-lane unpacks and 128-bit shuffles, no scalar dword moves (AVX2
+ * only packs at load, where dword copies are fast enough). */
+#if !defined(HAVE_GEMM)
+static void transpose16(const uint8_t *src, int stride, uint8_t *dst) {
+    for (int r = 0; r < 16; r++)
+        for (int k = 0; k < 16; k++) memcpy(dst + 64 * k + 4 * r, src + (int64_t)r * stride + 4 * k, 4);
+}
+#else
 static void transpose16(const uint8_t *src, int stride, uint8_t *dst) {
     __m512i r[16], t[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(src + (int64_t)i * stride);
@@ -290,6 +307,7 @@ static void transpose16(const uint8_t *src, int stride, uint8_t *dst) {
         _mm512_store_si512(dst + 64 * (12 + e), _mm512_shuffle_i32x4(b, d, 0xDD));
     }
 }
+#endif
 
 /* Bytes of SPAN columns of a row (SPAN / 32 blocks, or one superblock). */
 static int span_bytes(int qtype) {
@@ -351,6 +369,7 @@ static void unpack_chunk(int qtype, const uint8_t *w, int64_t row_bytes, int nr,
     }
 }
 
+#if defined(HAVE_GEMM)
 /* ---- the register tile: 16 rows x T tokens over all columns -------------------------------
  * x, xc, f1, f2 point at the token tile's activations; the result goes to out[t * ldo + lane]
  * for the lanes in keep. */
@@ -578,7 +597,8 @@ static int gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int
     return j.failed ? -1 : 0;
 }
 
-#else  /* AVX2 only: prefill stays on the mat-vec kernels */
+#else  /* AVX2: prefill on the file's blocks stays on the mat-vec kernels (the packed types
+        * take cpu_packed.c's tiles) */
 
 static int gemm_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
                    const int8_t *xq, const float *xd, const int32_t *xs, int n, float *out,

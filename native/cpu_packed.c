@@ -24,8 +24,6 @@
  * size once the file's pages are let go (the caller's job). Rows past the end are zero.
  */
 
-#if defined(HAVE_GEMM)
-
 static int64_t packed_record_bytes(int qtype) {
     switch (qtype) {
     case T_Q8_0: return 544;
@@ -50,15 +48,31 @@ int64_t ek_packed_bytes(int qtype, int rows, int cols) {
 
 /* ---- packing (once, at load) ------------------------------------------------------------- */
 
-static inline __m512i load_group(const chunk_t *u, int g) {
-    return _mm512_load_si512(u->q + 64 * (int64_t)g);
+/* Column group g of a chunk in the tile layout: 64 bytes, 4 columns x 16 rows. */
+static inline const uint8_t *group_at(const chunk_t *u, int g) { return u->q + 64 * (int64_t)g; }
+
+/* groups g, g + 1 as one nibble vector (plain loops: packing runs once, at load, and gcc
+ * vectorises them for whichever build this is) */
+static void pack_nibbles(const chunk_t *u, int g, uint8_t *dst) {
+    const uint8_t *lo = group_at(u, g), *hi = group_at(u, g + 1);
+    for (int k = 0; k < 64; k++) dst[k] = (uint8_t)((lo[k] & 0x0F) | (hi[k] & 0x0F) << 4);
 }
 
-/* groups 2i, 2i + 1 of the tile layout as one nibble vector */
-static inline __m512i pack_nibbles(const chunk_t *u, int g) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    return _mm512_or_si512(_mm512_and_si512(load_group(u, g), low4),
-                           _mm512_slli_epi16(_mm512_and_si512(load_group(u, g + 1), low4), 4));
+/* Q5_0: bit k of the result is the fifth bit of byte k of group g */
+static uint64_t pack_fifth_bits(const chunk_t *u, int g) {
+    const uint8_t *q = group_at(u, g);
+    uint64_t bits = 0;
+    for (int k = 0; k < 64; k++) bits |= (uint64_t)((q[k] >> 4) & 1) << k;
+    return bits;
+}
+
+/* Q6_K: bits 4-5 of groups g..g+3 as bits 0-1, 2-3, 4-5, 6-7 of each byte */
+static void pack_top_bits(const chunk_t *u, int g, uint8_t *dst) {
+    for (int k = 0; k < 64; k++) {
+        uint8_t b = 0;
+        for (int i = 0; i < 4; i++) b |= (uint8_t)(((group_at(u, g + i)[k] >> 4) & 3) << (2 * i));
+        dst[k] = b;
+    }
 }
 
 /* The raw scales of row r's record starting at column c0, into the record's scale area. */
@@ -95,27 +109,16 @@ static void pack_chunk(int qtype, const uint8_t *w, int64_t row_bytes, int nr, i
             memcpy(dst, u->q + 64 * (int64_t)g0, 512);
             scales = dst + 512;
         } else {
-            for (int i = 0; i < groups / 2; i++)
-                _mm512_storeu_si512(dst + 64 * i, pack_nibbles(u, g0 + 2 * i));
+            for (int i = 0; i < groups / 2; i++) pack_nibbles(u, g0 + 2 * i, dst + 64 * i);
             scales = dst + 32 * groups;
             if (qtype == T_Q5_0) {  /* each group's fifth bits: one bit per byte of the group */
                 for (int g = 0; g < groups; g++) {
-                    const uint64_t bits = _mm512_test_epi8_mask(load_group(u, g0 + g),
-                                                                 _mm512_set1_epi8(0x10));
+                    const uint64_t bits = pack_fifth_bits(u, g0 + g);
                     memcpy(scales + 8 * g, &bits, 8);
                 }
                 scales += 8 * groups;
             } else if (qtype == T_Q6_K) {  /* bits 4-5 of groups 4h..4h+3 in one byte */
-                const __m512i two = _mm512_set1_epi8(3);
-                for (int h = 0; h < groups / 4; h++) {
-                    __m512i hb = _mm512_setzero_si512();
-                    for (int k = 0; k < 4; k++) {
-                        const __m512i top = _mm512_and_si512(
-                            _mm512_srli_epi16(load_group(u, g0 + 4 * h + k), 4), two);
-                        hb = _mm512_or_si512(hb, _mm512_slli_epi16(top, 2 * k));
-                    }
-                    _mm512_storeu_si512(scales + 64 * h, hb);
-                }
+                for (int h = 0; h < groups / 4; h++) pack_top_bits(u, g0 + 4 * h, scales + 64 * h);
                 scales += 16 * groups;
             }
         }
@@ -152,7 +155,13 @@ int ek_pack(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols, 
     return j.failed ? -1 : 0;
 }
 
+#if defined(HAVE_GEMM)
 /* ---- expanding a packed chunk into the tile layout (per call, per thread) ----------------- */
+
+static inline __m512i load_group(const chunk_t *u, int g) {
+    return _mm512_load_si512(u->q + 64 * (int64_t)g);
+}
+
 
 static inline void store_group(chunk_t *u, int g, __m512i v) {
     _mm512_store_si512(u->q + 64 * (int64_t)g, v);
@@ -351,9 +360,10 @@ FORCE void dtile_q6k(const uint8_t *src, int nsb, const int8_t *x, const int32_t
 }
 
 FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, const int32_t *xc,
-                     const float *f1, const float *f2, float *out, int64_t ldo, __mmask16 keep,
-                     const int T) {
+                     const int32_t *xp, const float *f1, const float *f2, float *out, int64_t ldo,
+                     __mmask16 keep, const int T) {
     (void)f2;  /* the per-block minimum types are not packed */
+    (void)xp;
     switch (qtype) {
     case T_Q4_K: dtile_q4k(src, cols / 256, x, xc, f1, out, ldo, keep, T); break;
     case T_Q6_K: dtile_q6k(src, cols / 256, x, xc, f1, out, ldo, keep, T); break;
@@ -361,20 +371,259 @@ FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, c
     }
 }
 
+#else  /* AVX2: the same records, each 64-byte column group read as two halves of 8 rows */
+
+/* ---- decode (and prefill) tiles on AVX2 ---------------------------------------------------
+ * A ymm holds 8 int32 lanes, so a chunk's 16 rows are done as two halves, each reading its
+ * 32 bytes of every column group (rows 8h..8h+7).
+ * There is no vpdpbusd: vpmaddubsw multiplies a half's bytes by a token's 4 activations
+ * (broadcast) and adds neighbours into int16 pairs, and vpmaddwd adds the pairs into the
+ * lane's int32, by 1 or by the lane's sub-block scale. The int16 pairs stay exact while
+ * summed over several groups first (|x| <= 127): 8 groups of 4-bit weights (2 * 15 * 127 * 8
+ * = 30480), 4 of 5-bit, 2 of 6-bit; Q8_0 (|q| up to 128) takes the sign trick (|q| . x sign
+ * q) one group at a time. Every sum is an exact integer before it meets floats, and the
+ * float steps are the AVX-512 tiles' own, so a token's result does not depend on its batch,
+ * and prefill (these tiles, 8 tokens at a time) gives it the same bits as decode. */
+
+static inline __m256i half_at(const uint8_t *p, int h) {
+    return _mm256_loadu_si256((const __m256i *)(p + 32 * h));
+}
+
+/* bytes . token's 4 activations (x[0..3] broadcast) -> 16 int16 pair sums */
+static inline __m256i maddubs_bcast(__m256i w, const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_maddubs_epi16(w, _mm256_set1_epi32(v));
+}
+
+/* the two column groups of a nibble vector's half */
+FORCE void split_half(const uint8_t *p, int h, __m256i *g) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), v = half_at(p, h);
+    g[0] = _mm256_and_si256(v, low4);
+    g[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+}
+
+/* int16 pairs (a_r, b_r) for the half's lanes r from two rows of 16 scale bytes */
+static inline __m256i lane_pairs(const uint8_t *a, const uint8_t *b, int h, int sign) {
+    const __m128i v = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(a + 8 * h)),
+                                        _mm_loadl_epi64((const __m128i *)(b + 8 * h)));
+    return sign ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v);
+}
+
+static inline __m256 f16x8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* out[t * ldo + lane] for the half's 8 lanes whose bit is set in keep8 */
+static inline void store_half(float *out, unsigned keep8, __m256 v) {
+    if (keep8 == 0xFF) {
+        _mm256_storeu_ps(out, v);
+        return;
+    }
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i mask = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)keep8), bit), bit);
+    _mm256_maskstore_ps(out, mask, v);
+}
+
+/* Both halves go through each record together (a half's pass alone would leave the other
+ * waiting on a second read of the chunk: 1536 x 8960 Q4_K ran at half the speed of
+ * 8960 x 1536); acc[h * GEMM_T + t] is half h's accumulator for token t. */
+
+/* Q8_0: 8 groups per block, sign trick, scale per block as the AVX-512 tile. */
+FORCE void dtile_q8_0(const uint8_t *src, int nb, int nh, const int8_t *x, const float *f1,
+                      __m256 *acc, const int T) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int s = 0; s < nb; s++, src += 544) {
+        PREFETCH(src, 544);
+        for (int h = 0; h < nh; h++) {
+            __m256i dot[GEMM_T];
+            for (int t = 0; t < T; t++) dot[t] = _mm256_setzero_si256();
+            for (int i = 0; i < 8; i++) {
+                const __m256i q = _mm256_xor_si256(half_at(src + 64 * i, h), flip);  /* signed */
+                const __m256i qa = _mm256_abs_epi8(q);
+                for (int t = 0; t < T; t++) {
+                    int32_t v;
+                    memcpy(&v, x + 4 * ((int64_t)(8 * s + i) * T + t), 4);
+                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(v), q);
+                    dot[t] = _mm256_add_epi32(
+                        dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xs), ones));
+                }
+            }
+            const __m256 sc = f16x8(src + 512 + 16 * h);
+            for (int t = 0; t < T; t++)
+                acc[h * GEMM_T + t] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(sc, _mm256_set1_ps(f1[s * T + t])),
+                    acc[h * GEMM_T + t]);
+        }
+    }
+}
+
+/* Q5_0: q unsigned (0..31), offset 16 from xc; fifth bits from each group's 64-bit mask. */
+FORCE void dtile_q5_0(const uint8_t *src, int nb, int nh, const int8_t *x, const int32_t *xc,
+                      const float *f1, __m256 *acc, const int T) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int s = 0; s < nb; s++, src += 352) {
+        PREFETCH(src, 352);
+        const int8_t *xs = x + 4 * (int64_t)(8 * s) * T;
+        for (int h = 0; h < nh; h++) {
+            __m256i g[8];
+            for (int i = 0; i < 4; i++) {
+                uint32_t m0, m1;
+                memcpy(&m0, src + 256 + 16 * i + 4 * h, 4);
+                memcpy(&m1, src + 256 + 16 * i + 8 + 4 * h, 4);
+                split_half(src + 64 * i, h, g + 2 * i);
+                g[2 * i] = _mm256_or_si256(g[2 * i], bits_to_0x10(m0));
+                g[2 * i + 1] = _mm256_or_si256(g[2 * i + 1], bits_to_0x10(m1));
+            }
+            const __m256 sc = f16x8(src + 320 + 16 * h);
+            for (int t = 0; t < T; t++) {
+                __m256i dot = _mm256_set1_epi32(xc[s * T + t]);
+                for (int k = 0; k < 8; k += 4) {  /* 4 groups of 5-bit products fit int16 */
+                    __m256i p = maddubs_bcast(g[k], xs + 4 * (k * T + t));
+                    for (int i = k + 1; i < k + 4; i++)
+                        p = _mm256_add_epi16(p, maddubs_bcast(g[i], xs + 4 * (i * T + t)));
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
+                }
+                acc[h * GEMM_T + t] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc, _mm256_set1_ps(f1[s * T + t])),
+                    acc[h * GEMM_T + t]);
+            }
+        }
+    }
+}
+
+/* Q4_K: per sub-block of 32 (8 groups) the int16 pairs times the lanes' 6-bit scales; the
+ * minimums times the activation sums (xp), two sub-blocks per vpmaddwd; once per superblock
+ * acc += isum d xd - imin dmin xd, as the AVX-512 tile. */
+FORCE void dtile_q4k(const uint8_t *src, int nsb, int nh, const int8_t *x, const int32_t *xp,
+                     const float *f1, __m256 *acc, const int T) {
+    for (int sb = 0; sb < nsb; sb++, src += 2368) {
+        PREFETCH(src, 2368);
+        __m256i isum[2 * GEMM_T], imin[2 * GEMM_T];
+        for (int t = 0; t < 2 * GEMM_T; t++) isum[t] = imin[t] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const int8_t *xs = x + 4 * (int64_t)(8 * (sb * 8 + j)) * T;
+            for (int h = 0; h < nh; h++) {
+                __m256i g[8];
+                for (int i = 0; i < 4; i++) split_half(src + 64 * (4 * j + i), h, g + 2 * i);
+                const __m256i sc = lane_pairs(src + 2048 + 16 * j, src + 2048 + 16 * j, h, 0);
+                for (int t = 0; t < T; t++) {
+                    __m256i p = maddubs_bcast(g[0], xs + 4 * t);
+                    for (int i = 1; i < 8; i++)
+                        p = _mm256_add_epi16(p, maddubs_bcast(g[i], xs + 4 * (i * T + t)));
+                    isum[h * GEMM_T + t] = _mm256_add_epi32(isum[h * GEMM_T + t],
+                                                            _mm256_madd_epi16(p, sc));
+                }
+            }
+        }
+        for (int h = 0; h < nh; h++) {
+            for (int p = 0; p < 4; p++) {
+                const __m256i mn = lane_pairs(src + 2176 + 32 * p, src + 2176 + 32 * p + 16, h, 0);
+                for (int t = 0; t < T; t++)
+                    imin[h * GEMM_T + t] = _mm256_add_epi32(imin[h * GEMM_T + t], _mm256_madd_epi16(
+                        mn, _mm256_set1_epi32(xp[(sb * 4 + p) * T + t])));
+            }
+            const __m256 d = f16x8(src + 2304 + 16 * h), dmin = f16x8(src + 2336 + 16 * h);
+            for (int t = 0; t < T; t++) {
+                const __m256 xd = _mm256_set1_ps(f1[sb * T + t]);
+                __m256 *a = &acc[h * GEMM_T + t];
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h * GEMM_T + t]), _mm256_mul_ps(d, xd), *a);
+                *a = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[h * GEMM_T + t]),
+                                      _mm256_mul_ps(dmin, xd), *a);
+            }
+        }
+    }
+}
+
+/* Q6_K: sub-blocks of 16 (4 groups, int16 pairs over 2 at a time) times the lanes' int8
+ * scales; the offset 32 as 32 sum_s sc_s sum_s(x), two sub-blocks per vpmaddwd, from the
+ * activation sums (xp); once per superblock acc += (isum - 32 ioff) d xd. */
+FORCE void dtile_q6k(const uint8_t *src, int nsb, int nh, const int8_t *x, const int32_t *xp,
+                     const float *f1, __m256 *acc, const int T) {
+    const __m256i top = _mm256_set1_epi8(0x30);
+    for (int sb = 0; sb < nsb; sb++, src += 3360) {
+        PREFETCH(src, 3360);
+        __m256i isum[2 * GEMM_T], ioff[2 * GEMM_T];
+        for (int t = 0; t < 2 * GEMM_T; t++) isum[t] = ioff[t] = _mm256_setzero_si256();
+        for (int j = 0; j < 16; j++) {
+            const int8_t *xs = x + 4 * (int64_t)(4 * (sb * 16 + j)) * T;
+            for (int h = 0; h < nh; h++) {
+                __m256i g[4];
+                split_half(src + 64 * (2 * j), h, g);
+                split_half(src + 64 * (2 * j + 1), h, g + 2);
+                const __m256i hb = half_at(src + 2048 + 64 * j, h);
+                g[0] = _mm256_or_si256(g[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+                g[1] = _mm256_or_si256(g[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+                g[2] = _mm256_or_si256(g[2], _mm256_and_si256(hb, top));
+                g[3] = _mm256_or_si256(g[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+                const __m256i sc = lane_pairs(src + 3072 + 16 * j, src + 3072 + 16 * j, h, 1);
+                for (int t = 0; t < T; t++) {
+                    const __m256i p0 = _mm256_add_epi16(maddubs_bcast(g[0], xs + 4 * t),
+                                                        maddubs_bcast(g[1], xs + 4 * (T + t)));
+                    const __m256i p1 = _mm256_add_epi16(maddubs_bcast(g[2], xs + 4 * (2 * T + t)),
+                                                        maddubs_bcast(g[3], xs + 4 * (3 * T + t)));
+                    isum[h * GEMM_T + t] = _mm256_add_epi32(
+                        isum[h * GEMM_T + t],
+                        _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc)));
+                }
+            }
+        }
+        for (int h = 0; h < nh; h++) {
+            for (int p = 0; p < 8; p++) {
+                const __m256i sc = lane_pairs(src + 3072 + 32 * p, src + 3072 + 32 * p + 16, h, 1);
+                for (int t = 0; t < T; t++)
+                    ioff[h * GEMM_T + t] = _mm256_add_epi32(ioff[h * GEMM_T + t], _mm256_madd_epi16(
+                        sc, _mm256_set1_epi32(xp[(sb * 8 + p) * T + t])));
+            }
+            const __m256 d = f16x8(src + 3328 + 16 * h);
+            for (int t = 0; t < T; t++) {
+                const __m256i tot = _mm256_sub_epi32(isum[h * GEMM_T + t],
+                                                     _mm256_slli_epi32(ioff[h * GEMM_T + t], 5));
+                acc[h * GEMM_T + t] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(tot), _mm256_mul_ps(d, _mm256_set1_ps(f1[sb * T + t])),
+                    acc[h * GEMM_T + t]);
+            }
+        }
+    }
+}
+
+/* 16 rows (two halves; one where the chunk has <= 8 rows) x T tokens over all columns */
+FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, const int32_t *xc,
+                     const int32_t *xp, const float *f1, const float *f2, float *out, int64_t ldo,
+                     uint16_t keep, const int T) {
+    (void)f2;  /* the per-block minimum types are not packed */
+    const int nh = keep >> 8 ? 2 : 1;
+    __m256 acc[2 * GEMM_T];
+    for (int t = 0; t < 2 * GEMM_T; t++) acc[t] = _mm256_setzero_ps();
+    switch (qtype) {
+    case T_Q4_K: dtile_q4k(src, cols / 256, nh, x, xp, f1, acc, T); break;
+    case T_Q6_K: dtile_q6k(src, cols / 256, nh, x, xp, f1, acc, T); break;
+    case T_Q5_0: dtile_q5_0(src, cols / 32, nh, x, xc, f1, acc, T); break;
+    default: dtile_q8_0(src, cols / 32, nh, x, f1, acc, T); break;
+    }
+    for (int h = 0; h < nh; h++)
+        for (int t = 0; t < T; t++)
+            store_half(out + t * ldo + 8 * h, (keep >> (8 * h)) & 0xFF, acc[h * GEMM_T + t]);
+}
+
+#endif
+
 /* one compiled body per tile length */
 static void dtile(int qtype, const uint8_t *src, int cols, const int8_t *x, const int32_t *xc,
-                  const float *f1, const float *f2, float *out, int64_t ldo, __mmask16 keep,
-                  int T) {
+                  const int32_t *xp, const float *f1, const float *f2, float *out, int64_t ldo,
+                  uint16_t keep, int T) {
+#define DTILE(T) dtile_any(qtype, src, cols, x, xc, xp, f1, f2, out, ldo, keep, T)
     switch (T) {
-    case GEMM_T: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, GEMM_T); break;
-    case 7: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 7); break;
-    case 6: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 6); break;
-    case 5: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 5); break;
-    case 4: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 4); break;
-    case 3: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 3); break;
-    case 2: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 2); break;
-    default: dtile_any(qtype, src, cols, x, xc, f1, f2, out, ldo, keep, 1); break;
+    case GEMM_T: DTILE(GEMM_T); break;
+    case 7: DTILE(7); break;
+    case 6: DTILE(6); break;
+    case 5: DTILE(5); break;
+    case 4: DTILE(4); break;
+    case 3: DTILE(3); break;
+    case 2: DTILE(2); break;
+    default: DTILE(1); break;
     }
+#undef DTILE
 }
 
 /* ---- the matmul on packed weights ------------------------------------------------------- */
@@ -394,15 +643,16 @@ static void packed_chunk_decode(const void *ctx, int r0, int r1) {
     const gemm_acts_t *a = j->acts;
     const int cols = j->cols, nb = cols / 32, ns = cols / j->form.L;
     const uint8_t *src = j->packed + (int64_t)(r0 / CHUNK_ROWS) * packed_chunk_bytes(j->qtype, cols);
-    const __mmask16 keep = (__mmask16)((1u << (r1 - r0)) - 1);
+    const uint16_t keep = (uint16_t)((1u << (r1 - r0)) - 1);
     for (int t0 = 0, T; t0 < j->n; t0 += T) {
         T = tile_len(j->n - t0);
         dtile(j->qtype, src, cols, a->x + (int64_t)t0 * cols, a->xc + (int64_t)t0 * ns,
-              a->f1 + (int64_t)t0 * nb, a->f2 + (int64_t)t0 * nb,
+              a->xp + (int64_t)t0 * (ns / 2), a->f1 + (int64_t)t0 * nb, a->f2 + (int64_t)t0 * nb,
               j->out + (int64_t)t0 * j->rows + r0, j->rows, keep, T);
     }
 }
 
+#if defined(HAVE_GEMM)
 /* Prefill: one chunk of 16 rows expanded once, then every token tile against it. */
 static void packed_chunk_rows(const void *ctx, int r0, int r1) {
     packed_job_t *j = (packed_job_t *)ctx;
@@ -426,6 +676,8 @@ static void packed_chunk_rows(const void *ctx, int r0, int r1) {
     }
 }
 
+#endif
+
 /* up to this many tokens (a decode step, a speculative check) the tiles read the records
  * directly; past it each chunk is expanded once for all the token tiles */
 #define PACKED_DECODE_MAX 8
@@ -439,8 +691,12 @@ static int packed_mt(int qtype, const uint8_t *packed, int rows, int cols, const
         return -1;
     }
     packed_job_t j = {qtype, rows, cols, n, f, packed, &a, out, 0};
+#if defined(HAVE_GEMM)
     parallel_rows(n <= PACKED_DECODE_MAX ? packed_chunk_decode : packed_chunk_rows, &j, rows,
                   nthreads);
+#else  /* AVX2: the records are cheap to re-read from cache for each tile of tokens */
+    parallel_rows(packed_chunk_decode, &j, rows, nthreads);
+#endif
     acts_free(&a);
     return j.failed ? -1 : 0;
 }
@@ -560,39 +816,3 @@ int ek_packed_rows(int qtype, const uint8_t *packed, int rows, int cols, const i
     }
     return 0;
 }
-
-#else  /* AVX2 only: weights stay in the file's blocks */
-
-int64_t ek_packed_bytes(int qtype, int rows, int cols) {
-    (void)qtype; (void)rows; (void)cols;
-    return 0;
-}
-
-int ek_pack(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols, uint8_t *dst,
-            int nthreads) {
-    (void)qtype; (void)w; (void)row_bytes; (void)rows; (void)cols; (void)dst; (void)nthreads;
-    return -2;
-}
-
-int ek_matmul_packed(int qtype, const uint8_t *packed, int rows, int cols, const float *x,
-                     int n, float *out, int nthreads) {
-    (void)qtype; (void)packed; (void)rows; (void)cols; (void)x; (void)n; (void)out;
-    (void)nthreads;
-    return -2;
-}
-
-int ek_packed_rows(int qtype, const uint8_t *packed, int rows, int cols, const int64_t *ids,
-                   int n, float *out) {
-    (void)qtype; (void)packed; (void)rows; (void)cols; (void)ids; (void)n; (void)out;
-    return -2;
-}
-
-int ek_matmul_packed_multi(int count, const int *qtypes, const uint8_t *const *packed,
-                           const int *rows, int cols, const float *x, int n, float *out,
-                           int nthreads) {
-    (void)count; (void)qtypes; (void)packed; (void)rows; (void)cols; (void)x; (void)n;
-    (void)out; (void)nthreads;
-    return -2;
-}
-
-#endif
