@@ -63,8 +63,10 @@ VARIANTS: dict[str, tuple[tuple[str, ...], list[str]]] = {
                    ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                     "-mavx512vnni"]),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
-    # aarch64 (/proc/cpuinfo "Features"): sdot with dotprod (Armv8.2+: Apple M, Snapdragon X,
-    # Cortex-A76/Pi 5), else vmull_s8 + pairwise adds (Cortex-A72/Pi 4)
+    # aarch64 (/proc/cpuinfo "Features"): smmla with i8mm (Apple M2+, Snapdragon X, Graviton 3),
+    # sdot with dotprod (Armv8.2+: Apple M1, Cortex-A76/Pi 5), else vmull_s8 + pairwise adds
+    # (Cortex-A72/Pi 4)
+    "neon_i8mm": (("asimd", "asimddp", "i8mm"), ["-march=armv8.6-a+i8mm"]),
     "neon_dotprod": (("asimd", "asimddp"), ["-march=armv8.2-a+dotprod"]),
     "neon": (("asimd",), ["-march=armv8-a"]),
 }

@@ -13,7 +13,9 @@
  * Both give lane i of 4 the sum of the products of bytes 4i..4i+3: the same int32 lanes as
  * x86's vpmaddubsw + vpmaddwd (or vpdpbusd) over the two 16-byte halves of a 32-byte block.
  *
- * Bit-identical to the x86 AVX2 build, token by token: each 32-element block gives 8 int32
+ * The dotprod and plain builds are bit-identical to the x86 AVX2 build, token by token (the
+ * i8mm build, -march=armv8.6-a+i8mm, takes smmla and its own float order: see its section):
+ * each 32-element block gives 8 int32
  * lanes (two int32x4), converted to f32 and fused-multiply-added into 8 float lanes with the
  * same scale, even and odd blocks into two accumulators, and the same horizontal sum at the
  * end ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)); K-quants sum each superblock in int32
@@ -418,6 +420,343 @@ static int is_kquant(int qtype) {
 
 int ek_supports(int qtype) { return dot_for(qtype) != 0; }
 
+/* ---- i8mm (smmla): two weight rows x two tokens per instruction ----------------------------
+ * Built where the compiler targets FEAT_I8MM (-march=armv8.6-a+i8mm: Apple M2 and later,
+ * Snapdragon X, Graviton 3, Cortex-A710/X2 and later). vmmlaq_s32 multiplies a 2x8 int8 matrix
+ * (8 bytes of two rows) by the transpose of another (8 bytes of two tokens) into 4 int32 lanes
+ * [r0.t0, r0.t1, r1.t0, r1.t1], twice the multiply-adds of one sdot; four of them give the
+ * whole 32-element block dot of each row with each token. Its lanes are whole-block sums, not
+ * x86's 4-byte lanes, so this variant has its own float order and is NOT bit-identical to the
+ * x86 build (or to the dotprod one): per block and per (row, token), acc += cvt(dot) * (d_r *
+ * xd_t), even and odd blocks in two accumulators, summed at the end; K-quants sum each
+ * superblock in int32 and meet floats twice per superblock, as elsewhere. Every token, a lone
+ * one too (paired with a zero token), takes this same arithmetic, and a lane depends only on
+ * its own row and token: results stay bit-identical alone or in a batch, and with either row
+ * partner. Activations come pair-interleaved: token slots 2p, 2p + 1 of a group share 64
+ * bytes per block, [t0 0-7, t1 0-7, t0 8-15, t1 8-15, t0 16-23, t1 16-23, t0 24-31, t1 24-31]
+ * (smmla's B operands), a group of odd length padded with a zero token. */
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+#define PAIRS 1
+#define MAXP (MAXN / 2)
+
+/* two rows' 32 elements (lo: 0-15, hi: 16-31) as smmla's four 2x8 A operands */
+FORCE void pair_rows(int8x16_t lo0, int8x16_t hi0, int8x16_t lo1, int8x16_t hi1, int8x16_t a[4]) {
+    const int64x2_t l0 = vreinterpretq_s64_s8(lo0), l1 = vreinterpretq_s64_s8(lo1);
+    const int64x2_t h0 = vreinterpretq_s64_s8(hi0), h1 = vreinterpretq_s64_s8(hi1);
+    a[0] = vreinterpretq_s8_s64(vzip1q_s64(l0, l1));
+    a[1] = vreinterpretq_s8_s64(vzip2q_s64(l0, l1));
+    a[2] = vreinterpretq_s8_s64(vzip1q_s64(h0, h1));
+    a[3] = vreinterpretq_s8_s64(vzip2q_s64(h0, h1));
+}
+
+/* [r0.t0, r0.t1, r1.t0, r1.t1] over elements 0-15 (a[0], a[1]) of a pair block x (64 bytes) */
+FORCE int32x4_t mm_first16(const int8x16_t a[4], const int8_t *x) {
+    return vmmlaq_s32(vmmlaq_s32(vdupq_n_s32(0), a[0], vld1q_s8(x)), a[1], vld1q_s8(x + 16));
+}
+
+FORCE int32x4_t mm_second16(const int8x16_t a[4], const int8_t *x) {
+    return vmmlaq_s32(vmmlaq_s32(vdupq_n_s32(0), a[2], vld1q_s8(x + 32)), a[3], vld1q_s8(x + 48));
+}
+
+FORCE int32x4_t mm_block(const int8x16_t a[4], const int8_t *x) {
+    return vmmlaq_s32(vmmlaq_s32(mm_first16(a, x), a[2], vld1q_s8(x + 32)), a[3], vld1q_s8(x + 48));
+}
+
+/* [v0, v0, v1, v1] */
+static inline float32x4_t rows_f(float v0, float v1) {
+    return vcombine_f32(vdup_n_f32(v0), vdup_n_f32(v1));
+}
+
+static inline int32x4_t rows_i(int32_t v0, int32_t v1) {
+    return vcombine_s32(vdup_n_s32(v0), vdup_n_s32(v1));
+}
+
+/* one row's block of a per-block type as int8 (elements 0-15, 16-31), its scale and min */
+enum { K_Q8_0, K_Q4_0, K_Q5_0, K_Q4_1, K_Q5_1 };
+
+FORCE void unpack_block(const uint8_t *w, const int kind, int8x16_t *lo, int8x16_t *hi,
+                        float *d, float *m) {
+    *d = f16(w);
+    *m = 0.0f;
+    if (kind == K_Q8_0) {
+        *lo = vld1q_s8((const int8_t *)w + 2);
+        *hi = vld1q_s8((const int8_t *)w + 18);
+        return;
+    }
+    const int has_min = kind == K_Q4_1 || kind == K_Q5_1, five = kind == K_Q5_0 || kind == K_Q5_1;
+    if (has_min) *m = f16(w + 2);
+    const uint8_t *p = w + 2 + 2 * has_min;  /* qh (Q5) or qs */
+    const uint8x16_t raw = vld1q_u8(p + 4 * five);
+    uint8x16_t l = vandq_u8(raw, vdupq_n_u8(0x0F)), h = vshrq_n_u8(raw, 4);
+    if (five) {
+        uint32_t qh;
+        memcpy(&qh, p, 4);
+        l = vorrq_u8(l, bits_to_0x10(qh));
+        h = vorrq_u8(h, bits_to_0x10(qh >> 16));
+    }
+    *lo = vreinterpretq_s8_u8(l);
+    *hi = vreinterpretq_s8_u8(h);
+}
+
+/* block b of rows w0, w1 against token pairs 0..np-1 (slots 2np); acc/off [r0t0 r0t1 r1t0 r1t1] */
+FORCE void blk2(const uint8_t *w0, const uint8_t *w1, int b, const int8_t *xq, const float *xd,
+                const int32_t *xs, const int np, const int kind, float32x4_t *acc,
+                float32x4_t *off) {
+    int8x16_t lo0, hi0, lo1, hi1, a[4];
+    float d0, m0, d1, m1;
+    unpack_block(w0, kind, &lo0, &hi0, &d0, &m0);
+    unpack_block(w1, kind, &lo1, &hi1, &d1, &m1);
+    pair_rows(lo0, hi0, lo1, hi1, a);
+    const float32x4_t dv = rows_f(d0, d1), mv = rows_f(m0, m1);
+    const int offset = kind == K_Q4_0 ? 8 : kind == K_Q5_0 ? 16 : 0;
+    const int has_min = kind == K_Q4_1 || kind == K_Q5_1;
+    for (int p = 0; p < np; p++) {
+        const int64_t bt = (int64_t)b * 2 * np + 2 * p;  /* slot of the pair's first token */
+        int32x4_t c = mm_block(a, xq + 32 * bt);
+        const float32x2_t x2 = vld1_f32(xd + bt);
+        const float32x4_t xdv = vcombine_f32(x2, x2);
+        if (offset || has_min) {
+            const int32_t s0 = xs[2 * bt] + xs[2 * bt + 1], s1 = xs[2 * bt + 2] + xs[2 * bt + 3];
+            const int32x2_t s2 = vset_lane_s32(s1, vdup_n_s32(s0), 1);
+            const int32x4_t sv = vcombine_s32(s2, s2);
+            if (offset) c = vsubq_s32(c, vmulq_n_s32(sv, offset));
+            else off[p] = vfmaq_f32(off[p], vmulq_f32(mv, xdv), vcvtq_f32_s32(sv));
+        }
+        acc[p] = vfmaq_f32(acc[p], vcvtq_f32_s32(c), vmulq_f32(dv, xdv));
+    }
+}
+
+/* the 4 lanes of each pair into out0 (row 0) and out1 (row 1), tokens < m only */
+FORCE void store_pairs(const float32x4_t *res, int np, int m, float *out0, float *out1,
+                       int64_t ldo) {
+    for (int p = 0; p < np; p++) {
+        float v[4];
+        vst1q_f32(v, res[p]);
+        out0[(int64_t)(2 * p) * ldo] = v[0];
+        out1[(int64_t)(2 * p) * ldo] = v[2];
+        if (2 * p + 1 < m) {
+            out0[(int64_t)(2 * p + 1) * ldo] = v[1];
+            out1[(int64_t)(2 * p + 1) * ldo] = v[3];
+        }
+    }
+}
+
+FORCE void dot2_blocks_n(const uint8_t *w0, const uint8_t *w1, const int8_t *xq,
+                         const float *xd, const int32_t *xs, int nb, const int np, int m,
+                         float *out0, float *out1, int64_t ldo, const int kind, const int bytes) {
+    float32x4_t acc0[MAXP], acc1[MAXP], off0[MAXP], off1[MAXP];
+    for (int p = 0; p < np; p++)
+        acc0[p] = acc1[p] = off0[p] = off1[p] = vdupq_n_f32(0.0f);
+    int b = 0;
+    for (; b + 1 < nb; b += 2, w0 += 2 * bytes, w1 += 2 * bytes) {
+        PREFETCH(w0);
+        PREFETCH(w1);
+        blk2(w0, w1, b, xq, xd, xs, np, kind, acc0, off0);
+        blk2(w0 + bytes, w1 + bytes, b + 1, xq, xd, xs, np, kind, acc1, off1);
+    }
+    if (b < nb) blk2(w0, w1, b, xq, xd, xs, np, kind, acc0, off0);
+    float32x4_t res[MAXP];
+    for (int p = 0; p < np; p++)
+        res[p] = vaddq_f32(vaddq_f32(acc0[p], acc1[p]), vaddq_f32(off0[p], off1[p]));
+    store_pairs(res, np, m, out0, out1, ldo);
+}
+
+/* sum over i of a[i] * b[i] for 8 int16 (exact in int32) */
+static inline int32_t dot_s16x8(int16x8_t a, int16x8_t b) {
+    return vaddvq_s32(vaddq_s32(vmull_s16(vget_low_s16(a), vget_low_s16(b)), vmull_high_s16(a, b)));
+}
+
+/* one Q4_K/Q5_K row's sub-blocks 2j (lo: elements 0-15, 16-31) and 2j+1 (hi) as int8 */
+FORCE void unpack_qk_pair(const uint8_t *qs, uint8x16_t *h, int j, const int five,
+                          int8x16_t q[2][2]) {
+    const uint8x16_t low4 = vdupq_n_u8(0x0F), one = vdupq_n_u8(1);
+    for (int e = 0; e < 2; e++) {
+        const uint8x16_t r = vld1q_u8(qs + 32 * j + 16 * e);
+        uint8x16_t lo = vandq_u8(r, low4), hi = vshrq_n_u8(r, 4);
+        if (five) {
+            lo = vorrq_u8(lo, vshlq_n_u8(vandq_u8(h[e], one), 4));
+            hi = vorrq_u8(hi, vshlq_n_u8(vandq_u8(vshrq_n_u8(h[e], 1), one), 4));
+            h[e] = vshrq_n_u8(h[e], 2);
+        }
+        q[0][e] = vreinterpretq_s8_u8(lo);
+        q[1][e] = vreinterpretq_s8_u8(hi);
+    }
+}
+
+FORCE void dot2_qk_n(const uint8_t *w0, const uint8_t *w1, const int8_t *xq, const float *xd,
+                     const int16_t *xs16, int nb, const int np, int m, float *out0, float *out1,
+                     int64_t ldo, const int five) {
+    const int bytes = five ? 176 : 144, mp = 2 * np;
+    float32x4_t acc[MAXP];
+    for (int p = 0; p < np; p++) acc[p] = vdupq_n_f32(0.0f);
+    for (int sb = 0; sb < nb / 8; sb++, w0 += bytes, w1 += bytes) {
+        PREFETCH(w0);
+        PREFETCH(w1);
+        uint8_t sc[2][8], mn[2][8];
+        scales_mins_k4(w0 + 4, sc[0], mn[0]);
+        scales_mins_k4(w1 + 4, sc[1], mn[1]);
+        uint8x16_t h0[2] = {vdupq_n_u8(0), vdupq_n_u8(0)}, h1[2] = {vdupq_n_u8(0), vdupq_n_u8(0)};
+        if (five) {
+            h0[0] = vld1q_u8(w0 + 16), h0[1] = vld1q_u8(w0 + 32);
+            h1[0] = vld1q_u8(w1 + 16), h1[1] = vld1q_u8(w1 + 32);
+        }
+        const uint8_t *qs0 = w0 + (five ? 48 : 16), *qs1 = w1 + (five ? 48 : 16);
+        int32x4_t isum[MAXP];
+        for (int p = 0; p < np; p++) isum[p] = vdupq_n_s32(0);
+        for (int j = 0; j < 4; j++) {
+            int8x16_t q0[2][2], q1[2][2], a[4];
+            unpack_qk_pair(qs0, h0, j, five, q0);
+            unpack_qk_pair(qs1, h1, j, five, q1);
+            for (int half = 0; half < 2; half++) {
+                const int s = 2 * j + half, b = sb * 8 + s;
+                pair_rows(q0[half][0], q0[half][1], q1[half][0], q1[half][1], a);
+                const int32x4_t scv = rows_i(sc[0][s], sc[1][s]);
+                for (int p = 0; p < np; p++)
+                    isum[p] = vmlaq_s32(isum[p], mm_block(a, xq + 32 * ((int64_t)b * mp + 2 * p)),
+                                        scv);
+            }
+        }
+        const int16x8_t mins0 = vreinterpretq_s16_u16(vmovl_u8(vld1_u8(mn[0])));
+        const int16x8_t mins1 = vreinterpretq_s16_u16(vmovl_u8(vld1_u8(mn[1])));
+        const float d0 = f16(w0), dmin0 = f16(w0 + 2), d1 = f16(w1), dmin1 = f16(w1 + 2);
+        const float32x4_t dv = rows_f(d0, d1), dminv = rows_f(dmin0, dmin1);
+        for (int p = 0; p < np; p++) {
+            const int64_t t0 = (int64_t)sb * mp + 2 * p;
+            const int16_t *xa = xs16 + 16 * t0, *xb = xa + 16;
+            /* each token's 8 sub-block sums (two halves of 16 added) */
+            const int16x8_t sa = vpaddq_s16(vld1q_s16(xa), vld1q_s16(xa + 8));
+            const int16x8_t sbv = vpaddq_s16(vld1q_s16(xb), vld1q_s16(xb + 8));
+            const int32_t i00 = dot_s16x8(mins0, sa), i01 = dot_s16x8(mins0, sbv);
+            const int32_t i10 = dot_s16x8(mins1, sa), i11 = dot_s16x8(mins1, sbv);
+            const int32_t lanes[4] = {i00, i01, i10, i11};
+            const int32x4_t imin = vld1q_s32(lanes);
+            const float32x2_t D2 = vld1_f32(xd + (int64_t)(sb * 8) * mp + 2 * p);
+            const float32x4_t Dv = vcombine_f32(D2, D2);
+            acc[p] = vfmaq_f32(acc[p], vcvtq_f32_s32(isum[p]), vmulq_f32(dv, Dv));
+            acc[p] = vfmsq_f32(acc[p], vcvtq_f32_s32(imin), vmulq_f32(dminv, Dv));
+        }
+    }
+    store_pairs(acc, np, m, out0, out1, ldo);
+}
+
+/* one Q6_K row's half h as q[k][e]: block 4h + k, bytes 16e..16e+15 (unsigned 0..63) */
+FORCE void unpack_q6_half(const uint8_t *w, int h, int8x16_t q[4][2]) {
+    const uint8x16_t low4 = vdupq_n_u8(0x0F), m3 = vdupq_n_u8(3), m12 = vdupq_n_u8(12);
+    const uint8x16_t m30 = vdupq_n_u8(0x30);
+    for (int e = 0; e < 2; e++) {
+        const uint8x16_t qa = vld1q_u8(w + 64 * h + 16 * e);
+        const uint8x16_t qb = vld1q_u8(w + 64 * h + 32 + 16 * e);
+        const uint8x16_t hb = vld1q_u8(w + 128 + 32 * h + 16 * e);
+        q[0][e] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(qa, low4), vshlq_n_u8(vandq_u8(hb, m3), 4)));
+        q[1][e] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(qb, low4), vshlq_n_u8(vandq_u8(hb, m12), 2)));
+        q[2][e] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(qa, 4), vandq_u8(hb, m30)));
+        q[3][e] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(qb, 4), vandq_u8(vshrq_n_u8(hb, 2), m30)));
+    }
+}
+
+FORCE void dot2_q6_k_n(const uint8_t *w0, const uint8_t *w1, const int8_t *xq, const float *xd,
+                       const int16_t *xs16, int nb, const int np, int m, float *out0,
+                       float *out1, int64_t ldo) {
+    const int mp = 2 * np;
+    float32x4_t acc[MAXP];
+    for (int p = 0; p < np; p++) acc[p] = vdupq_n_f32(0.0f);
+    for (int sb = 0; sb < nb / 8; sb++, w0 += 210, w1 += 210) {
+        PREFETCH(w0);
+        PREFETCH(w1);
+        const int8_t *sc0 = (const int8_t *)(w0 + 192), *sc1 = (const int8_t *)(w1 + 192);
+        int32x4_t isum[MAXP];
+        for (int p = 0; p < np; p++) isum[p] = vdupq_n_s32(0);
+        for (int h = 0; h < 2; h++) {
+            int8x16_t q0[4][2], q1[4][2], a[4];
+            unpack_q6_half(w0, h, q0);
+            unpack_q6_half(w1, h, q1);
+            for (int k = 0; k < 4; k++) {
+                const int b = sb * 8 + 4 * h + k, s = 8 * h + 2 * k;
+                pair_rows(q0[k][0], q0[k][1], q1[k][0], q1[k][1], a);
+                const int32x4_t first = rows_i(sc0[s], sc1[s]), second = rows_i(sc0[s + 1], sc1[s + 1]);
+                for (int p = 0; p < np; p++) {
+                    const int8_t *x = xq + 32 * ((int64_t)b * mp + 2 * p);
+                    isum[p] = vmlaq_s32(vmlaq_s32(isum[p], mm_first16(a, x), first),
+                                        mm_second16(a, x), second);
+                }
+            }
+        }
+        const int16x8_t s0a = vmovl_s8(vld1_s8(sc0)), s0b = vmovl_s8(vld1_s8(sc0 + 8));
+        const int16x8_t s1a = vmovl_s8(vld1_s8(sc1)), s1b = vmovl_s8(vld1_s8(sc1 + 8));
+        const float32x4_t dv = rows_f(f16(w0 + 208), f16(w1 + 208));
+        for (int p = 0; p < np; p++) {
+            const int64_t t0 = (int64_t)sb * mp + 2 * p;
+            const int16_t *xa = xs16 + 16 * t0, *xb = xa + 16;
+            const int16x8_t xa0 = vld1q_s16(xa), xa1 = vld1q_s16(xa + 8);
+            const int16x8_t xb0 = vld1q_s16(xb), xb1 = vld1q_s16(xb + 8);
+            /* the -32 offset: 32 * sum over the 16 halves of scale * sum of 16 */
+            const int32_t lanes[4] = {dot_s16x8(s0a, xa0) + dot_s16x8(s0b, xa1),
+                                      dot_s16x8(s0a, xb0) + dot_s16x8(s0b, xb1),
+                                      dot_s16x8(s1a, xa0) + dot_s16x8(s1b, xa1),
+                                      dot_s16x8(s1a, xb0) + dot_s16x8(s1b, xb1)};
+            const int32x4_t tot = vsubq_s32(isum[p], vshlq_n_s32(vld1q_s32(lanes), 5));
+            const float32x2_t D2 = vld1_f32(xd + (int64_t)(sb * 8) * mp + 2 * p);
+            acc[p] = vfmaq_f32(acc[p], vcvtq_f32_s32(tot), vmulq_f32(dv, vcombine_f32(D2, D2)));
+        }
+    }
+    store_pairs(acc, np, m, out0, out1, ldo);
+}
+
+/* rows w0, w1 (w1 may be w0 again) against a group of m tokens (pair-interleaved, 2np slots) */
+typedef void (*dot2_fn)(const uint8_t *, const uint8_t *, const int8_t *, const float *,
+                        const int32_t *, const int16_t *, int, int, float *, float *, int64_t);
+
+#define DISPATCH_P(call)                                                                      \
+    switch ((m + 1) / 2) {                                                                    \
+    case 1: call(1); break;                                                                   \
+    case 2: call(2); break;                                                                   \
+    case 3: call(3); break;                                                                   \
+    default: call(4); break;                                                                  \
+    }
+
+#define DOT2(name, callp)                                                                     \
+    static void name(const uint8_t *w0, const uint8_t *w1, const int8_t *xq, const float *xd, \
+                     const int32_t *xs, const int16_t *xs16, int nb, int m, float *out0,      \
+                     float *out1, int64_t ldo) {                                              \
+        (void)xs; (void)xs16;                                                                 \
+        DISPATCH_P(callp)                                                                     \
+    }
+
+#define Q8_0_P(k) dot2_blocks_n(w0, w1, xq, xd, xs, nb, k, m, out0, out1, ldo, K_Q8_0, 34)
+#define Q4_0_P(k) dot2_blocks_n(w0, w1, xq, xd, xs, nb, k, m, out0, out1, ldo, K_Q4_0, 18)
+#define Q5_0_P(k) dot2_blocks_n(w0, w1, xq, xd, xs, nb, k, m, out0, out1, ldo, K_Q5_0, 22)
+#define Q4_1_P(k) dot2_blocks_n(w0, w1, xq, xd, xs, nb, k, m, out0, out1, ldo, K_Q4_1, 20)
+#define Q5_1_P(k) dot2_blocks_n(w0, w1, xq, xd, xs, nb, k, m, out0, out1, ldo, K_Q5_1, 24)
+#define Q4_K_P(k) dot2_qk_n(w0, w1, xq, xd, xs16, nb, k, m, out0, out1, ldo, 0)
+#define Q5_K_P(k) dot2_qk_n(w0, w1, xq, xd, xs16, nb, k, m, out0, out1, ldo, 1)
+#define Q6_K_P(k) dot2_q6_k_n(w0, w1, xq, xd, xs16, nb, k, m, out0, out1, ldo)
+
+DOT2(dot2_q8_0, Q8_0_P)
+DOT2(dot2_q4_0, Q4_0_P)
+DOT2(dot2_q5_0, Q5_0_P)
+DOT2(dot2_q4_1, Q4_1_P)
+DOT2(dot2_q5_1, Q5_1_P)
+DOT2(dot2_q4_k, Q4_K_P)
+DOT2(dot2_q5_k, Q5_K_P)
+DOT2(dot2_q6_k, Q6_K_P)
+
+static dot2_fn dot2_for(int qtype) {
+    switch (qtype) {
+    case T_Q8_0: return dot2_q8_0;
+    case T_Q4_0: return dot2_q4_0;
+    case T_Q4_1: return dot2_q4_1;
+    case T_Q5_0: return dot2_q5_0;
+    case T_Q5_1: return dot2_q5_1;
+    case T_Q4_K: return dot2_q4_k;
+    case T_Q5_K: return dot2_q5_k;
+    case T_Q6_K: return dot2_q6_k;
+    default: return 0;
+    }
+}
+#else
+#define PAIRS 0
+#endif
+
 /* ---- activation rounding: the x86 build's, bit for bit ------------------------------------ */
 
 /* x (n, cols) f32 -> xq (n, cols) int8, xd (n, cols/32), xs (n, cols/16) as ggml's x86
@@ -479,25 +818,37 @@ static void quantize_rows_q8k(const float *x, int n, int cols, int8_t *xq, float
 /* ---- token groups, rows outer ------------------------------------------------------------- */
 
 /* Tokens t0 .. t0 + m - 1 of xq (n, cols), xd (n, nb), xs (n, 2 nb) into the interleaved
- * layout: xqi (nb, m, 32), xdi (nb, m), xsi (nb, m, 2), and for Q8_K activations (kq)
- * xs16i (nb / 8, m, 16) int16. */
+ * layout: xqi (nb, ms, 32), xdi (nb, ms), xsi (nb, ms, 2), and for Q8_K activations (kq)
+ * xs16i (nb / 8, ms, 16) int16, with ms = m token slots, or with i8mm (PAIRS) m rounded up to
+ * even, the pad slot zeros, and each pair's 64 bytes of a block interleaved by 8 (smmla's
+ * operands). */
 static void interleave(const int8_t *xq, const float *xd, const int32_t *xs, int cols, int t0,
                        int m, int kq, int8_t *xqi, float *xdi, int32_t *xsi, int16_t *xs16i) {
-    const int nb = cols / 32;
-    for (int t = 0; t < m; t++) {
+    const int nb = cols / 32, ms = PAIRS ? m + (m & 1) : m;
+    for (int t = 0; t < ms; t++) {
+        const int pad = t >= m;
         const int8_t *q = xq + (int64_t)(t0 + t) * cols;
         const float *d = xd + (int64_t)(t0 + t) * nb;
         const int32_t *s = xs + (int64_t)(t0 + t) * 2 * nb;
         for (int b = 0; b < nb; b++) {
-            memcpy(xqi + 32 * ((int64_t)b * m + t), q + 32 * b, 32);
-            xdi[(int64_t)b * m + t] = d[b];
-            xsi[2 * ((int64_t)b * m + t)] = s[2 * b];
-            xsi[2 * ((int64_t)b * m + t) + 1] = s[2 * b + 1];
+            int8_t *dst = xqi + 32 * ((int64_t)b * ms + t);
+            if (PAIRS) {  /* this token's 8-byte pieces at 16k + 8 (t odd) within its pair */
+                dst = xqi + 32 * ((int64_t)b * ms + (t & ~1)) + 8 * (t & 1);
+                for (int k = 0; k < 4; k++) {
+                    if (pad) memset(dst + 16 * k, 0, 8);
+                    else memcpy(dst + 16 * k, q + 32 * b + 8 * k, 8);
+                }
+            } else {
+                memcpy(dst, q + 32 * b, 32);
+            }
+            xdi[(int64_t)b * ms + t] = pad ? 0.0f : d[b];
+            xsi[2 * ((int64_t)b * ms + t)] = pad ? 0 : s[2 * b];
+            xsi[2 * ((int64_t)b * ms + t) + 1] = pad ? 0 : s[2 * b + 1];
         }
         if (kq)
             for (int sb = 0; sb < nb / 8; sb++)
                 for (int i = 0; i < 16; i++)
-                    xs16i[16 * ((int64_t)sb * m + t) + i] = (int16_t)s[16 * sb + i];
+                    xs16i[16 * ((int64_t)sb * ms + t) + i] = pad ? 0 : (int16_t)s[16 * sb + i];
     }
 }
 
@@ -523,10 +874,11 @@ static int groups_init(groups_t *g, const int8_t *xq, const float *xd, const int
     g->n = n;
     g->cols = cols;
     g->ngroups = (n + MAXN - 1) / MAXN;
-    g->xqi = malloc((size_t)n * cols);
-    g->xdi = malloc(sizeof(float) * n * nb);
-    g->xsi = malloc(sizeof(int32_t) * n * 2 * nb);
-    g->xs16i = malloc(sizeof(int16_t) * n * 2 * nb);
+    const int slots = n + 1;  /* with i8mm, a last group of odd length gets a pad slot */
+    g->xqi = malloc((size_t)slots * cols);
+    g->xdi = malloc(sizeof(float) * slots * nb);
+    g->xsi = malloc(sizeof(int32_t) * slots * 2 * nb);
+    g->xs16i = malloc(sizeof(int16_t) * slots * 2 * nb);
     if (!g->xqi || !g->xdi || !g->xsi || !g->xs16i) return 0;
     for (int t0 = 0; t0 < n; t0 += MAXN) {
         const int m = n - t0 < MAXN ? n - t0 : MAXN;
@@ -538,7 +890,10 @@ static int groups_init(groups_t *g, const int8_t *xq, const float *xd, const int
 }
 
 typedef struct {
-    dot_fn dot;
+    dot_fn dot;  /* the kernel of the type (or, with i8mm, dot2 below) */
+#if PAIRS
+    dot2_fn dot2;
+#endif
     const uint8_t *w;
     int64_t row_bytes;
     const groups_t *groups;
@@ -555,11 +910,38 @@ static void matvec_rows(const void *ctx, int r0, int r1) {
     for (int gi = 0; gi < g->ngroups; gi++) {
         const int64_t t0 = (int64_t)gi * MAXN;
         const int m = g->n - t0 < MAXN ? (int)(g->n - t0) : MAXN;
+#if PAIRS
+        for (int r = r0; r < r1; r += 2) {  /* rows in pairs, a last odd row with itself */
+            const int r2 = r + 1 < r1 ? r + 1 : r;
+            j->dot2(j->w + (int64_t)r * j->row_bytes, j->w + (int64_t)r2 * j->row_bytes,
+                    g->xqi + t0 * g->cols, g->xdi + t0 * nb, g->xsi + t0 * 2 * nb,
+                    g->xs16i + t0 * 2 * nb, nb, m, j->out + t0 * j->ldo + r,
+                    j->out + t0 * j->ldo + r2, j->ldo);
+        }
+#else
         for (int r = r0; r < r1; r++)
             j->dot(j->w + (int64_t)r * j->row_bytes, g->xqi + t0 * g->cols, g->xdi + t0 * nb,
                    g->xsi + t0 * 2 * nb, g->xs16i + t0 * 2 * nb, nb, m,
                    j->out + t0 * j->ldo + r, j->ldo);
+#endif
     }
+}
+
+/* the job of one matrix: its kernel(s), its rows, the token groups, where results go */
+static matvec_job_t matvec_job(int qtype, const uint8_t *w, int64_t row_bytes,
+                               const groups_t *g, float *out, int64_t ldo) {
+    matvec_job_t j;
+    memset(&j, 0, sizeof j);
+    j.dot = dot_for(qtype);
+#if PAIRS
+    j.dot2 = dot2_for(qtype);
+#endif
+    j.w = w;
+    j.row_bytes = row_bytes;
+    j.groups = g;
+    j.out = out;
+    j.ldo = ldo;
+    return j;
 }
 
 /* the activations of x (n, cols) rounded for qtype (Q8_K for K-quants, else Q8_0) */
@@ -603,7 +985,7 @@ int ek_matmul_f32(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int 
     groups_t g;
     int status = -1;
     if (groups_init(&g, a.xq, a.xd, a.xs, n, cols, kq)) {
-        matvec_job_t j = {dot_for(qtype), w, row_bytes, &g, out, rows};
+        matvec_job_t j = matvec_job(qtype, w, row_bytes, &g, out, rows);
         parallel_rows(matvec_rows, &j, rows, nthreads);
         status = 0;
     }
@@ -666,9 +1048,7 @@ int ek_matvec_multi(int count, const int *qtypes, const uint8_t *const *ws,
             const int kq = is_kquant(qtypes[i]);
             m.rows[i] = rows[i];
             m.first_chunk[i + 1] = m.first_chunk[i] + (rows[i] + CHUNK_ROWS - 1) / CHUNK_ROWS;
-            matvec_job_t j = {dot_for(qtypes[i]), ws[i], row_bytes[i], &g[kq], out + offset,
-                              rows[i]};
-            m.jobs[i] = j;
+            m.jobs[i] = matvec_job(qtypes[i], ws[i], row_bytes[i], &g[kq], out + offset, rows[i]);
             offset += (int64_t)n * rows[i];
         }
         parallel_rows(multi_rows, &m, m.first_chunk[count] * CHUNK_ROWS, nthreads);
