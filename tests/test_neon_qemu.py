@@ -6,7 +6,8 @@ driver (tests/native/neon_driver.c) and run under ``qemu-aarch64`` (plain NEON o
 model, without dotprod; the dotprod build on a Cortex-A76, the Raspberry Pi 5's core) on random
 weight blocks of every type the C kernels take and random activations. Its results are checked
 
-- against the x86 AVX2 build of the same C API on the same inputs, bit for bit: the ARM code
+- against the x86 AVX2 build's kernels on the file's blocks (ek_matmul_f32; the packed AVX2
+  tiles add in their own order) on the same inputs, bit for bit: the ARM code
   does the same integer sums (sdot or vmull_s8 lanes = vpmaddubsw + vpmaddwd lanes) and the
   same float operations in the same order (8 lanes, fused multiply-adds, two accumulators,
   the same horizontal sum), so nothing is left to a tolerance there;
