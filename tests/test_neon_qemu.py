@@ -184,6 +184,11 @@ class Jobs:
         body = q.tobytes() + k.view(np.uint16).tobytes() + v.view(np.uint16).tobytes()
         self._add(key, head + body + mask.astype(np.uint8).tobytes(), self._status_floats(q.size))
 
+    def packed(self, key) -> None:
+        def read(buf, at):
+            return struct.unpack_from("<q4i", buf, at), at + 24
+        self._add(key, struct.pack("<ii", 9, 1), read)
+
     def stream(self) -> bytes:
         return b"".join(self.parts) + struct.pack("<i", 0)
 
@@ -244,6 +249,7 @@ def build_jobs() -> Jobs:
         for i in range(MAX_N):  # each token alone
             jobs.matmul(("alone", qtype, i), qtype, w, X[i:i + 1], 1)
     jobs.matmul(("mm", Q.F16, 1, 1), Q.F16, WEIGHTS[Q.Q8_0], X[:1], 1)  # not a C type: -2
+    jobs.packed("packed")
     for n in MULTI_TOKENS:
         jobs.multi(("multi", n), MULTI, X[:n], 2)
         for i, (qtype, w) in enumerate(MULTI):
@@ -454,6 +460,13 @@ def test_c_api_matches_cdef(neon_results, tmp_path):
 def test_unsupported_type_is_refused(neon_results):
     for variant, res in neon_results.items():
         assert res[("mm", Q.F16, 1, 1)][0] == -2, variant
+
+
+def test_no_packed_layout_on_arm(neon_results):
+    """ek_packed_bytes is 0 (the backend then keeps the file's blocks) and the packed entry
+    points answer -2, as the AVX2-only x86 build had them."""
+    for variant, res in neon_results.items():
+        assert res["packed"] == (0, -2, -2, -2, -2), variant
 
 
 def test_matvec_multi_equals_separate_matmuls(neon_results):

@@ -21,6 +21,8 @@
  *   8 attention: int32 n, heads, kv_heads, hd, T; f32 scale, softcap; q (n, heads, hd) f32,
  *             k, v (T, kv_heads, hd) f16 bits, mask (n, T) u8
  *                                                 -> int32 status, out (n, heads, hd) f32
+ *   9 packed: (nothing)                           -> int64 ek_packed_bytes(Q8_0, 16, 32), int32
+ *             status of ek_pack, ek_matmul_packed, ek_packed_rows, ek_matmul_packed_multi
  *   0 end.
  */
 #include "cpu_pool.c"
@@ -151,6 +153,20 @@ static void job_attention(int nthreads) {
     free(q), free(out), free(k), free(v), free(mask);
 }
 
+static void job_packed(void) {
+    uint8_t w[34 * 16] = {0}, dst[64];
+    float x[32] = {0}, out[16];
+    const int qt = T_Q8_0, rows = 16;
+    const uint8_t *ws[1] = {w};
+    const int64_t ids[1] = {0};
+    const int64_t bytes = ek_packed_bytes(qt, 16, 32);
+    write_n(&bytes, 8);
+    write_i32(ek_pack(qt, w, 34, 16, 32, dst, 1));
+    write_i32(ek_matmul_packed(qt, w, 16, 32, x, 1, out, 1));
+    write_i32(ek_packed_rows(qt, w, 16, 32, ids, 1, out));
+    write_i32(ek_matmul_packed_multi(1, &qt, ws, &rows, 32, x, 1, out, 1));
+}
+
 int main(void) {
     for (;;) {
         const int op = read_i32();
@@ -165,6 +181,7 @@ int main(void) {
         case 6: job_gated(0, nthreads); break;
         case 7: job_gated(1, nthreads); break;
         case 8: job_attention(nthreads); break;
+        case 9: job_packed(); break;
         default: fprintf(stderr, "neon_driver: unknown op %d\n", op); return 2;
         }
     }
