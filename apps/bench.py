@@ -52,9 +52,10 @@ def rows_of(results: list[tuple]) -> list[dict]:
                "weights GB/s": f"{rec.bandwidth / 1e9:.1f}",
                "TTFT ms": f"{rec.ttft_ms:.0f}" if rec.ttft_ms is not None else "",
                "peak RSS": _gib(rec.peak_rss)}
+        if rec.peak_bandwidth and rec.test.startswith("tg"):  # decode: a memory-bound test
+            row["memory GB/s"] = f"{rec.peak_bandwidth / 1e9:.1f}"
+            row["% of memory BW"] = f"{100 * rec.bandwidth_share:.0f}%"
         if rec.peak_device_memory is not None:  # a GPU backend
-            share = rec.bandwidth_share
-            row["% of peak BW"] = f"{100 * share:.0f}%" if share is not None else ""
             row["device peak"] = _gib(rec.peak_device_memory)
             row["weights+KV on device"] = _gib((rec.device_weight_bytes or 0)
                                                + (rec.kv_bytes or 0))

@@ -88,6 +88,28 @@ def device_name() -> str:
     return f"{model or platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
+_stream_bandwidth: dict[int, float] = {}
+
+
+def cpu_stream_bandwidth(threads: int) -> float:
+    """Bytes/second ``threads`` cores stream from memory: the best of 3 f32 mat-vecs over a
+    1 GiB matrix (numpy's BLAS on that many threads), measured once per process. The ceiling
+    a decode step's weight reads can reach on this machine."""
+    if threads not in _stream_bandwidth:
+        from edgellm.backends.cpu.blas_threads import blas_threads
+
+        a = np.ones((16384, 16384), dtype=np.float32)  # 1 GiB: far past any last-level cache
+        x = np.ones(16384, dtype=np.float32)
+        best = float("inf")
+        with blas_threads(threads):
+            for _ in range(3):
+                start = time.perf_counter()
+                a @ x
+                best = min(best, time.perf_counter() - start)
+        _stream_bandwidth[threads] = a.nbytes / best
+    return _stream_bandwidth[threads]
+
+
 def quant_name(metadata: dict) -> str:
     """The file's quant mix (general.file_type), e.g. 'Q4_K_M'."""
     from gguf import LlamaFileType
@@ -145,6 +167,12 @@ def _time_generation(net, make_cache, n_gen: int, token: int) -> float:
     return time.perf_counter() - start
 
 
+def backend_label(be) -> str:
+    """The backend's name and, for the CPU, the kernels it runs ("cpu/avx2", "cpu/numba")."""
+    variant = getattr(be, "variant", None)
+    return f"{be.name}/{variant}" if variant else be.name
+
+
 def bench_model(model: str, backend: str = "auto", threads: int | None = None,
                 n_prompt: int = 512, n_gen: int = 128, repetitions: int = 5) -> list[BenchRecord]:
     """Measure ``pp{n_prompt}`` and ``tg{n_gen}`` (either skipped when 0) on one backend."""
@@ -161,7 +189,7 @@ def bench_model(model: str, backend: str = "auto", threads: int | None = None,
     described = getattr(be, "device_name", None)
     common = dict(model=loaded.name, size=loaded.path.stat().st_size,
                   params=sum(t.n_elements for t in tensors.values()),
-                  quant=quant_name(loaded.metadata), backend=be.name,
+                  quant=quant_name(loaded.metadata), backend=backend_label(be),
                   device=described() if described else device_name(),
                   threads=int(getattr(be, "threads", threads or 1)),
                   weight_bytes_per_token=weights_read_per_token(tensors), load_s=load_s)
@@ -186,9 +214,13 @@ def bench_model(model: str, backend: str = "auto", threads: int | None = None,
                                    samples=[n_gen / t for t in times]))
     memory = getattr(be, "device_memory", lambda: None)()
     graphs = getattr(be, "graphs", None)
+    rss = peak_rss()  # before the CPU's bandwidth probe allocates its 1 GiB
+    peak = getattr(be, "peak_bandwidth", lambda: None)()
+    if peak is None and be.name == "cpu":
+        peak = cpu_stream_bandwidth(common["threads"])
     for r in records:
-        r.peak_rss = peak_rss()
-        r.peak_bandwidth = getattr(be, "peak_bandwidth", lambda: None)()
+        r.peak_rss = rss
+        r.peak_bandwidth = peak
         if memory is not None:
             r.peak_device_memory = memory["peak"]
             r.device_weight_bytes = on_device["active"] if on_device else None

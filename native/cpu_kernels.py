@@ -118,16 +118,39 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def best_variant() -> str | None:
-    """The fastest kernel variant this CPU runs, or None off x86-64 and aarch64."""
+def runnable_variants() -> list[str]:
+    """The kernel variants this CPU executes, fastest first (empty off x86-64 and aarch64)."""
     arch = machine_arch()
     if arch is None:
-        return None
+        return []
     flags = cpu_flags()
-    for name, (needs, _) in VARIANTS.items():
-        if variant_arch(name) == arch and all(f in flags for f in needs):
-            return name
-    return None
+    return [name for name, (needs, _) in VARIANTS.items()
+            if variant_arch(name) == arch and all(f in flags for f in needs)]
+
+
+def best_variant() -> str | None:
+    """The fastest kernel variant this CPU runs, or None off x86-64 and aarch64."""
+    runnable = runnable_variants()
+    return runnable[0] if runnable else None
+
+
+#: environment variable that forces a variant (or "numba", the no-C path) instead of the best
+ISA_ENV = "EDGELLM_ISA"
+
+
+def requested_isa() -> str | None:
+    """$EDGELLM_ISA: a variant this CPU runs, or "numba"; None where unset (the best).
+
+    Raises ValueError, naming the choices, for a variant this CPU cannot execute (running it
+    would die on an illegal instruction) or a name that is no variant at all."""
+    name = os.environ.get(ISA_ENV, "").strip().lower()
+    if not name or name == "auto":
+        return None
+    choices = runnable_variants() + ["numba"]
+    if name not in choices:
+        known = "a variant this CPU cannot run" if name in VARIANTS else "not a variant"
+        raise ValueError(f"{ISA_ENV}={name}: {known}; choose one of {', '.join(choices)}")
+    return name
 
 
 def cache_dir() -> Path:
@@ -190,3 +213,8 @@ def load(variant: str | None = None) -> Any | None:
             module = None
         _loaded[variant] = module
     return _loaded[variant]
+
+
+def variant_of(module: Any) -> str:
+    """The variant name a module returned by ``load`` was built for."""
+    return next(name for name, loaded in _loaded.items() if loaded is module)

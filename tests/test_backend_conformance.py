@@ -203,25 +203,24 @@ def test_activations_at_prefill_size(backend):
 
 
 def _c_kernel_variants():
-    """(id, CpuBackend) for each C kernel variant this CPU can run (best, and AVX2 too; on ARM
-    plain NEON too), with and without weights packed at load where the build packs them."""
+    """(id, CpuBackend) for each C kernel variant this CPU can run (AVX-512 VNNI, AVX2; the
+    NEON ones on ARM), with and without weights packed at load where the build packs them."""
     if "cpu" not in available_backends():
         return []
     from edgellm.native import cpu_kernels
 
-    best = cpu_kernels.best_variant()
-    if best is None or cpu_kernels.load() is None:
+    if cpu_kernels.best_variant() is None or cpu_kernels.load() is None:
         return []
-    names = [best] + [v for v in ("avx2", "neon")  # load(): None for another architecture's
-                      if v != best and cpu_kernels.load(v) is not None]
+    names = [v for v in cpu_kernels.runnable_variants() if cpu_kernels.load(v) is not None]
     out = []
     for name in names:
         b = get_backend("cpu", kernels="c")
         b.native = cpu_kernels.load(name)
-        b.packing = b.packing and name == best
+        b.packing = b.native.lib.ek_packed_bytes(int(Q.Q8_0), 16, 32) > 0
         out.append((name + ("-packed" if b.packing else ""), b))
         if b.packing:  # the same build on the file's blocks (the types it does not pack)
             plain = get_backend("cpu", kernels="c")
+            plain.native = b.native
             plain.packing = False
             out.append((name, plain))
     return out

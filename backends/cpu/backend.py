@@ -1,12 +1,13 @@
 """The fast CPU backend: quantized weights used in place, never expanded to f32.
 
 With the C kernels (AVX-512 VNNI / AVX2 on x86, NEON on aarch64, native/): activations are
-rounded to int8 as llama.cpp rounds them and dotted with the weight blocks, by mat-vec kernels
-in decode and an int8 GEMM in prefill (AVX-512 VNNI; elsewhere the mat-vec kernels in groups
-of 8 tokens); norms, RoPE, activations and decode attention are C too, and Numba is never
-imported (it costs ~65 MB of resident memory and half a second of start-up). Without them (no
-compiler, neither x86 nor ARM) the Numba kernels decode one weight row at a time in decode,
-and prefill decodes tiles of rows to f32 for BLAS.
+rounded to int8 as llama.cpp rounds them and dotted with the weights, repacked at load into
+register tiles on x86 (AVX-512 VNNI: a GEMM in prefill; AVX2: 8-token tiles) and in the
+file's blocks by mat-vec kernels otherwise (ARM; the types x86 does not repack); norms, RoPE,
+activations and decode attention are C too, and Numba is never imported (it costs ~65 MB of
+resident memory and half a second of start-up). Without them (no compiler, neither x86 nor
+ARM) the Numba kernels decode one weight row at a time in decode, and prefill decodes tiles
+of rows to f32 for BLAS.
 
 Weights keep the GGUF file's own blocks (zero copy over its mmap), so a tied embedding serves
 both lookup and output from the same bytes and resident memory stays near the file size.
@@ -164,13 +165,17 @@ class CpuBackend(NumpyBackend):
         self.threads = int(threads or physical_cores())
         if kernels not in ("auto", "c", "numba"):
             raise ValueError(f"kernels must be auto, c or numba, not {kernels!r}")
-        self.native = None if kernels == "numba" else cpu_kernels.load()
+        isa = cpu_kernels.requested_isa()  # $EDGELLM_ISA forces a variant (or Numba)
+        if isa == "numba" and kernels == "auto":
+            kernels = "numba"
+        self.native = None if kernels == "numba" else cpu_kernels.load(
+            None if isa == "numba" else isa)
         if kernels == "c" and self.native is None:
             raise RuntimeError("C kernels requested but they do not build here "
                                "(need x86 AVX2 or aarch64, a C compiler and cffi: "
                                "pip install cffi)")
         self.kernels = "c" if self.native is not None else "numba"
-        #: weights repacked at load for the C tiles (AVX-512 VNNI builds; EDGELLM_PACK=0: off)
+        #: weights repacked at load for the C tiles (x86 builds; EDGELLM_PACK=0: off)
         self.packing = (self.native is not None and os.environ.get("EDGELLM_PACK", "1") != "0"
                         and self.native.lib.ek_packed_bytes(int(Q.Q8_0), 16, 32) > 0)
         if self.native is None:
@@ -181,6 +186,12 @@ class CpuBackend(NumpyBackend):
         self._plans: dict[tuple, _FusedPlan] = {}  # matmuls' C arguments per weight group
         self._rope_cache: dict[tuple, tuple] = {}  # (cos, sin, freq_factors) per step
         self._embeddings: dict[tuple, object] = {}  # _tensor_key -> table (tied outputs)
+
+    @property
+    def variant(self) -> str:
+        """The kernels this backend runs: a C build ("avx2", "avx512vnni", "neon_dotprod", ...)
+        or "numba"."""
+        return cpu_kernels.variant_of(self.native) if self.native is not None else "numba"
 
     # -- weights -------------------------------------------------------------------------
     def prepare(self, tensor: QTensor):
