@@ -391,9 +391,12 @@ FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, c
 #ifndef PACKED_PREFETCH_AHEAD
 #define PACKED_PREFETCH_AHEAD 4096
 #endif
+#ifndef PACKED_PREFETCH_HINT
+#define PACKED_PREFETCH_HINT _MM_HINT_T0
+#endif
 #define PREFETCH_RECORD(p, bytes)                                                             \
     for (int pf_ = 0; pf_ < (bytes); pf_ += 64)                                               \
-        _mm_prefetch((const char *)(p) + PACKED_PREFETCH_AHEAD + pf_, _MM_HINT_T0)
+        _mm_prefetch((const char *)(p) + PACKED_PREFETCH_AHEAD + pf_, PACKED_PREFETCH_HINT)
 
 static inline __m256i half_at(const uint8_t *p, int h) {
     return _mm256_loadu_si256((const __m256i *)(p + 32 * h));
@@ -638,6 +641,12 @@ static void dtile(int qtype, const uint8_t *src, int cols, const int8_t *x, cons
 
 /* ---- the matmul on packed weights ------------------------------------------------------- */
 
+#if defined(HAVE_GEMM)
+#define CHUNK_HEAD_PREFETCH PREFETCH_AHEAD
+#else
+#define CHUNK_HEAD_PREFETCH PACKED_PREFETCH_AHEAD
+#endif
+
 typedef struct {
     int qtype, rows, cols, n;
     form_t form;
@@ -654,6 +663,12 @@ static void packed_chunk_decode(const void *ctx, int r0, int r1) {
     const int cols = j->cols, nb = cols / 32, ns = cols / j->form.L;
     const uint8_t *src = j->packed + (int64_t)(r0 / CHUNK_ROWS) * packed_chunk_bytes(j->qtype, cols);
     const uint16_t keep = (uint16_t)((1u << (r1 - r0)) - 1);
+    /* The records' prefetches run ahead of the one being read, so the last ones of a chunk
+     * fetch the next chunk, which another thread usually claims: a chunk's own first bytes
+     * would come in cold, one demand miss at a time. Asked for here, they arrive together. */
+    const int64_t head = packed_chunk_bytes(j->qtype, cols) < CHUNK_HEAD_PREFETCH
+                             ? packed_chunk_bytes(j->qtype, cols) : CHUNK_HEAD_PREFETCH;
+    for (int64_t b = 0; b < head; b += 64) _mm_prefetch((const char *)src + b, _MM_HINT_T0);
     for (int t0 = 0, T; t0 < j->n; t0 += T) {
         T = tile_len(j->n - t0);
         dtile(j->qtype, src, cols, a->x + (int64_t)t0 * cols, a->xc + (int64_t)t0 * ns,
