@@ -31,6 +31,7 @@ import numpy as np
 from edgellm.converters.gguf_reader import QTensor
 from edgellm.quants import Q, dequantize
 
+from . import anon
 from .base import Backend
 
 
@@ -260,7 +261,8 @@ class NumpyBackend(Backend):
         return np.asarray(x, dtype=np.float32)
 
     def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> np.ndarray:
-        return np.zeros(shape, dtype=dtype)
+        # KV caches: large and freed whole, so in mappings of their own (anon.py says why)
+        return anon.zeros(shape, dtype)
 
     def embed(self, table, ids: np.ndarray) -> np.ndarray:
         if isinstance(table, QuantizedTable):

@@ -27,6 +27,7 @@ from edgellm.native import cpu_kernels
 from edgellm.quants import Q, dequantize
 
 from ..numpy_backend import NumpyBackend, round_activations_like_ggml
+from ..anon import anonymous_zeros
 from .blas_threads import blas_threads
 
 #: up to this many tokens the Numba path runs its mat-vec kernels; above, tiles + BLAS. The C
@@ -226,7 +227,7 @@ class CpuBackend(NumpyBackend):
         size = lib.ek_packed_bytes(int(w.qtype), w.rows, w.cols)
         if size <= 0:
             return None
-        packed = np.zeros(size, dtype=np.uint8)
+        packed = anonymous_zeros(size)  # its own mapping: unmapped again when freed
         chunk_bytes = size // -(-w.rows // 16)  # one packed chunk of 16 rows
         f = self.native.ffi
         # in slices, each slice's file pages let go before the next is read: resident memory
