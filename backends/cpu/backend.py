@@ -26,8 +26,8 @@ from edgellm.converters.gguf_reader import QTensor
 from edgellm.native import cpu_kernels
 from edgellm.quants import Q, dequantize
 
-from ..numpy_backend import NumpyBackend, round_activations_like_ggml
 from ..anon import anonymous_zeros
+from ..numpy_backend import NumpyBackend, round_activations_like_ggml
 from .blas_threads import blas_threads
 
 #: up to this many tokens the Numba path runs its mat-vec kernels; above, tiles + BLAS. The C
