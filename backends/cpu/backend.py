@@ -6,8 +6,10 @@ register tiles on x86 (AVX-512 VNNI: a GEMM in prefill; AVX2: 8-token tiles) and
 file's blocks by mat-vec kernels otherwise (ARM; the types x86 does not repack); norms, RoPE,
 activations and decode attention are C too, and Numba is never imported (it costs ~65 MB of
 resident memory and half a second of start-up). Without them (no compiler, neither x86 nor
-ARM) the Numba kernels decode one weight row at a time in decode, and prefill decodes tiles
-of rows to f32 for BLAS.
+ARM) the Numba kernels take over: the common block types are repacked at load into planes
+(numba_packed: int8/nibble planes, f32 scales) that decode dots with int8 activations in
+LLVM vector code, and prefill decodes tiles of rows to f32 for BLAS; the other types are
+decoded a row at a time from the file's blocks.
 
 Weights keep the GGUF file's own blocks (zero copy over its mmap), so a tied embedding serves
 both lookup and output from the same bytes and resident memory stays near the file size.
@@ -57,6 +59,13 @@ def _numba():
     return numba_ops, numba_quant
 
 
+def _numba_packed():
+    """The Numba path's repacked-weight kernels, imported on first use."""
+    from . import numba_packed
+
+    return numba_packed
+
+
 @dataclass
 class QuantMatrix:
     """A (rows, cols) weight in its file encoding: ``data`` (rows, row_bytes) uint8 blocks."""
@@ -67,6 +76,8 @@ class QuantMatrix:
     cols: int
     #: the same weights repacked for the C tiles (native/cpu_packed.c), or None
     packed: np.ndarray | None = None
+    #: the same weights repacked for the Numba kernels (numba_packed.PackedWeight), or None
+    planes: object = None
 
     def __post_init__(self):
         self.address = int(self.data.ctypes.data)  # for the C kernels (the mmap never moves)
@@ -179,11 +190,14 @@ class CpuBackend(NumpyBackend):
         #: weights repacked at load for the C tiles (x86 builds; EDGELLM_PACK=0: off)
         self.packing = (self.native is not None and os.environ.get("EDGELLM_PACK", "1") != "0"
                         and self.native.lib.ek_packed_bytes(int(Q.Q8_0), 16, 32) > 0)
+        #: weights repacked at load for the Numba kernels (EDGELLM_PACK=0: off)
+        self.numba_packing = self.native is None and os.environ.get("EDGELLM_PACK", "1") != "0"
         if self.native is None:
             import numba
 
             numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         self._pool: ThreadPoolExecutor | None = None  # prefill workers, started on first use
+        self._matvec_pool = None  # the Numba mat-vec's threads, started on first use
         self._plans: dict[tuple, _FusedPlan] = {}  # matmuls' C arguments per weight group
         self._rope_cache: dict[tuple, tuple] = {}  # (cos, sin, freq_factors) per step
         self._embeddings: dict[tuple, object] = {}  # _tensor_key -> table (tied outputs)
@@ -203,6 +217,8 @@ class CpuBackend(NumpyBackend):
             weight = self._file_blocks(tensor)
         if isinstance(weight, QuantMatrix) and self.packing and weight.packed is None:
             weight.packed = self._pack(weight)
+        if isinstance(weight, QuantMatrix) and self.numba_packing and weight.planes is None:
+            weight.planes = self._pack_numba(weight)
         return weight
 
     def prepare_embedding(self, tensor: QTensor):
@@ -245,6 +261,19 @@ class CpuBackend(NumpyBackend):
             release_file_pages(w.data[r0:r0 + rows])
         return packed
 
+    def _pack_numba(self, w: QuantMatrix):
+        """w repacked into the Numba kernels' planes (None where its type is not packed), in
+        slices whose file pages are let go as they are done (as _pack)."""
+        npk = _numba_packed()
+        if not npk.packable(w.qtype, w.cols):
+            return None
+        planes = npk.allocate(w.qtype, w.rows, w.cols)
+        step = max(16, PACK_SLICE_BYTES // w.data.strides[0])
+        for r0 in range(0, w.rows, step):
+            npk.pack_rows(planes, w.data[r0:r0 + step], r0)
+            release_file_pages(w.data[r0:r0 + step])
+        return planes
+
     # -- ops -----------------------------------------------------------------------------
     def embed(self, table, ids: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
@@ -263,6 +292,11 @@ class CpuBackend(NumpyBackend):
         if self.native is not None:  # gguf-py's numpy dequantizer: exact, and no Numba
             return dequantize(table.data[ids], table.qtype)  # (n, d)
         out = np.empty((len(ids), table.cols), dtype=np.float32)  # (n, d)
+        if table.planes is not None:  # a tied output, repacked (the file's pages let go)
+            if len(ids) and (ids.min() < 0 or ids.max() >= table.rows):
+                raise IndexError(f"token id out of range 0..{table.rows - 1}")
+            _numba_packed().dequantize_rows(table.planes, ids, out)
+            return out
         nq = _numba()[1]
         nq.dequant_rows(table.code, table.data, ids, out, nq.F16_TABLE)
         return out
@@ -292,6 +326,8 @@ class CpuBackend(NumpyBackend):
             if status != 0:
                 raise MemoryError(f"no memory for the int8 activations of {n} tokens")
             return out
+        if w.planes is not None:  # Numba: int8 activations . the repacked planes
+            return _numba_packed().matvec(w.planes, x, self._numba_pool())
         if lib is None or w.cols % 32:
             nq = _numba()[1]
             nq.matvec(w.code, w.data, x, out, nq.F16_TABLE)
@@ -374,12 +410,25 @@ class CpuBackend(NumpyBackend):
         def run_tile(r0: int) -> None:
             r1 = min(w.rows, r0 + tile_rows)
             tile = np.empty((r1 - r0, w.cols), dtype=np.float32)  # (tile, in)
-            nq.dequant_rows_serial(w.code, w.data, r0, r1, tile, nq.F16_TABLE)
+            if w.planes is not None:
+                _numba_packed().dequantize_rows(w.planes, np.arange(r0, r1, dtype=np.int64),
+                                                tile)
+            else:
+                nq.dequant_rows_serial(w.code, w.data, r0, r1, tile, nq.F16_TABLE)
             np.matmul(tile, x_t, out=out_t[r0:r1])
 
         with blas_threads(1):
             list(self._workers().map(run_tile, range(0, w.rows, tile_rows)))
         return np.ascontiguousarray(out_t.T)  # (n, out)
+
+    def _numba_pool(self):
+        """The Numba mat-vec's threads (numba_pool: barrier-free, as the C kernels'), started
+        on first use."""
+        if self._matvec_pool is None:
+            from .numba_pool import MatvecPool
+
+            self._matvec_pool = MatvecPool(self.threads)
+        return self._matvec_pool
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._pool is None:

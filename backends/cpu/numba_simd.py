@@ -1,0 +1,319 @@
+"""Integer dot products of a repacked weight row with int8 activations, as LLVM vector IR.
+
+Numba cannot express these with plain loops: its integers widen to int64, so a loop of
+``int8 * int8`` sums vectorises four lanes at a time (``vpmuldq``) if at all. These
+``@intrinsic`` functions build the vector code directly: 32 weights a step as ``<32 x i8>``,
+multiplied and summed in pairs into ``<8 x i32>`` lanes (lane k: weights 4k..4k+3, so
+16-weight sub-blocks land in lanes 0-3 and 4-7), scaled once per block into an ``<8 x f32>``
+accumulator, summed across lanes once per row. On x86 with AVX2 the pair sums are
+``vpmaddubsw``/``vpmaddwd`` (as llama.cpp's AVX2 kernels); on any other target the same
+arithmetic in generic vector IR (zero/sign extensions, multiplies, even/odd shuffles), which
+LLVM lowers to whatever the CPU has (NEON on ARM). The layouts they read are
+``numba_packed``'s; every pointer argument is an address (``array.ctypes.data``).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), \
+    ir.FloatType()
+
+
+def _vec(t, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def _const(t, values) -> ir.Constant:
+    return ir.Constant(_vec(t, len(values)), [ir.Constant(t, int(v)) for v in values])
+
+
+def _splat(b: ir.IRBuilder, value, n: int):
+    v = b.insert_element(ir.Constant(_vec(value.type, n), None), value, ir.Constant(I32, 0))
+    return b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), [ir.Constant(I32, 0)] * n))
+
+
+def _pick(b: ir.IRBuilder, v, idx):
+    return b.shuffle_vector(v, v, _const(I32, idx))
+
+
+def _load(b: ir.IRBuilder, addr, byte_offset, t):
+    """t at byte address addr + byte_offset (unaligned)."""
+    p = b.inttoptr(b.add(addr, byte_offset), t.as_pointer())
+    return b.load(p, align=1)
+
+
+def _fn(b: ir.IRBuilder, name: str, ret, args):
+    return cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, args), name)
+
+
+def _has_avx2(context) -> bool:
+    """Whether the code is compiled for a CPU with AVX2 (Numba's target: the host, or
+    NUMBA_CPU_NAME/NUMBA_CPU_FEATURES)."""
+    codegen = context.codegen()
+    features = getattr(codegen, "_tm_features", "") or ""
+    if not features and hasattr(codegen, "_get_host_cpu_features"):
+        features = codegen._get_host_cpu_features()
+    return "+avx2" in features
+
+
+def _udot(b: ir.IRBuilder, avx2: bool, w, x):
+    """w <32 x i8> unsigned (each pair's products must fit int16: w <= 127 here), x <32 x i8>
+    signed -> <8 x i32>, lane k = sum of w[i] * x[i] for i in 4k..4k+3."""
+    if avx2:
+        pairs = b.call(_fn(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16),
+                           [_vec(I8, 32), _vec(I8, 32)]), [w, x])
+        return b.call(_fn(b, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8),
+                          [_vec(I16, 16), _vec(I16, 16)]), [pairs, _const(I16, [1] * 16)])
+    prod = b.mul(b.zext(w, _vec(I32, 32)), b.sext(x, _vec(I32, 32)))  # (32,) i32
+    pairs = b.add(_pick(b, prod, range(0, 32, 2)), _pick(b, prod, range(1, 32, 2)))
+    return b.add(_pick(b, pairs, range(0, 16, 2)), _pick(b, pairs, range(1, 16, 2)))
+
+
+def _sdot(b: ir.IRBuilder, avx2: bool, w, x):
+    """As _udot for signed w <32 x i8> (|w| <= 127 pairs fit int16 with x in -127..127)."""
+    if avx2:  # |w| * (x with w's sign): vpabsb, vpsignb, then the unsigned products
+        aw = b.call(_fn(b, "llvm.abs.v32i8", _vec(I8, 32), [_vec(I8, 32), ir.IntType(1)]),
+                    [w, ir.Constant(ir.IntType(1), 0)])
+        sx = b.call(_fn(b, "llvm.x86.avx2.psign.b", _vec(I8, 32), [_vec(I8, 32), _vec(I8, 32)]),
+                    [x, w])
+        return _udot(b, avx2, aw, sx)
+    prod = b.mul(b.sext(w, _vec(I32, 32)), b.sext(x, _vec(I32, 32)))
+    pairs = b.add(_pick(b, prod, range(0, 32, 2)), _pick(b, prod, range(1, 32, 2)))
+    return b.add(_pick(b, pairs, range(0, 16, 2)), _pick(b, pairs, range(1, 16, 2)))
+
+
+def _nibbles(b: ir.IRBuilder, v, n: int):
+    """v <n x i8> -> (low nibbles, high nibbles), each <n x i8>."""
+    return b.and_(v, _const(I8, [15] * n)), b.lshr(v, _const(I8, [4] * n))
+
+
+def _fma(b: ir.IRBuilder, acc, ints, scale):
+    """acc + f32(ints <8 x i32>) * scale (a scalar f32, splatted)."""
+    return b.fadd(acc, b.fmul(b.sitofp(ints, _vec(F32, 8)), _splat(b, scale, 8),
+                              flags=("fast",)), flags=("fast",))
+
+
+def _row_loop(b: ir.IRBuilder, count, body):
+    """sum over i < count of body(b, i) (an <8 x f32>), reduced to one f32."""
+    accp = cgutils.alloca_once_value(b, ir.Constant(_vec(F32, 8), None))
+    with cgutils.for_range(b, count) as loop:
+        b.store(body(b, loop.index, b.load(accp)), accp)
+    reduce = _fn(b, "llvm.vector.reduce.fadd.v8f32", F32, [F32, _vec(F32, 8)])
+    return b.call(reduce, [ir.Constant(F32, 0.0), b.load(accp)], fastmath=("fast",))
+
+
+def _c(v: int):
+    return ir.Constant(I64, v)
+
+
+_ADDR = types.intp
+
+
+@intrinsic
+def dot_q8_0(typingctx, q, d, xq, xd, blocks):
+    """Row of Q8_0: q int8 (32 * blocks,), d f32 (blocks,) . xq int8, xd f32 (Q8_0)."""
+    sig = types.float32(_ADDR, _ADDR, _ADDR, _ADDR, _ADDR)
+
+    def codegen(context, b, signature, args):
+        q, d, xq, xd, blocks = args
+        avx2 = _has_avx2(context)
+
+        def block(b, i, acc):
+            off = b.mul(i, _c(32))
+            s = _sdot(b, avx2, _load(b, q, off, _vec(I8, 32)), _load(b, xq, off, _vec(I8, 32)))
+            scale = b.fmul(_load(b, d, b.mul(i, _c(4)), F32), _load(b, xd, b.mul(i, _c(4)), F32))
+            return _fma(b, acc, s, scale)
+
+        return _row_loop(b, blocks, block)
+
+    return sig, codegen
+
+
+@intrinsic
+def dot_q5_0(typingctx, nib, qh, d, xq, xd, xs, blocks):
+    """Row of Q5_0: nib u8 (16 * blocks,) ggml's nibbles, qh u32 (blocks,) fifth bits,
+    d f32 (blocks,) . xq int8, xd f32, xs int32 (blocks,) sums of xq (Q8_0)."""
+    sig = types.float32(_ADDR, _ADDR, _ADDR, _ADDR, _ADDR, _ADDR, _ADDR)
+
+    def codegen(context, b, signature, args):
+        nib, qh, d, xq, xd, xs, blocks = args
+        avx2 = _has_avx2(context)
+        spread = _const(I32, [i // 8 for i in range(32)])  # byte k of qh -> lanes 8k..8k+7
+        bit = _const(I8, [1 << (i % 8) for i in range(32)])
+
+        def block(b, i, acc):
+            lo, hi = _nibbles(b, _load(b, nib, b.mul(i, _c(16)), _vec(I8, 16)), 16)
+            w = b.shuffle_vector(lo, hi, _const(I32, range(32)))  # weights 0..31
+            h = b.bitcast(_load(b, qh, b.mul(i, _c(4)), I32), _vec(I8, 4))
+            set_ = b.icmp_unsigned("!=", b.and_(b.shuffle_vector(h, h, spread), bit),
+                                   _const(I8, [0] * 32))
+            w = b.or_(w, b.select(set_, _const(I8, [16] * 32), _const(I8, [0] * 32)))
+            s = _udot(b, avx2, w, _load(b, xq, b.mul(i, _c(32)), _vec(I8, 32)))
+            # the weights' -16 offset: -16 * sum(x) of the block, added to lane 0
+            off = b.mul(_load(b, xs, b.mul(i, _c(4)), I32), ir.Constant(I32, -16))
+            s = b.add(s, b.insert_element(ir.Constant(_vec(I32, 8), None), off,
+                                          ir.Constant(I32, 0)))
+            scale = b.fmul(_load(b, d, b.mul(i, _c(4)), F32), _load(b, xd, b.mul(i, _c(4)), F32))
+            return _fma(b, acc, s, scale)
+
+        return _row_loop(b, blocks, block)
+
+    return sig, codegen
+
+
+@intrinsic
+def dot_q4_k(typingctx, nib, sc, mn, dd, dm, xq, xd, xs, supers):
+    """Row of Q4_K: nib u8 (128 * supers,) the file's nibbles (32 bytes: sub-blocks 2j low,
+    2j + 1 high), sc, mn u8 (8 * supers,) 6-bit scales and mins, dd, dm f32 (supers,)
+    . xq int8, xd f32 (supers,), xs int32 (8 * supers,) sums of xq per 32 (Q8_K)."""
+    sig = types.float32(*([_ADDR] * 9))
+
+    def codegen(context, b, signature, args):
+        nib, sc, mn, dd, dm, xq, xd, xs, supers = args
+        avx2 = _has_avx2(context)
+
+        def superblock(b, s, acc):
+            total = ir.Constant(_vec(I32, 8), None)
+            for j in range(4):
+                lo, hi = _nibbles(b, _load(b, nib, b.add(b.mul(s, _c(128)), _c(32 * j)),
+                                           _vec(I8, 32)), 32)
+                xo = b.add(b.mul(s, _c(256)), _c(64 * j))
+                for k, w in ((0, lo), (1, hi)):
+                    dot = _udot(b, avx2, w, _load(b, xq, b.add(xo, _c(32 * k)), _vec(I8, 32)))
+                    scale = b.zext(_load(b, sc, b.add(b.mul(s, _c(8)), _c(2 * j + k)), I8), I32)
+                    total = b.add(total, b.mul(dot, _splat(b, scale, 8)))
+            mins = b.mul(b.zext(_load(b, mn, b.mul(s, _c(8)), _vec(I8, 8)), _vec(I32, 8)),
+                         _load(b, xs, b.mul(s, _c(32)), _vec(I32, 8)))  # m_j * sum(x_j)
+            xds = _load(b, xd, b.mul(s, _c(4)), F32)
+            acc = _fma(b, acc, total, b.fmul(_load(b, dd, b.mul(s, _c(4)), F32), xds))
+            return _fma(b, acc, mins, b.fneg(b.fmul(_load(b, dm, b.mul(s, _c(4)), F32), xds)))
+
+        return _row_loop(b, supers, superblock)
+
+    return sig, codegen
+
+
+@intrinsic
+def dot_q6_k(typingctx, ql, qh, sc, d, xq, xd, xs, supers):
+    """Row of Q6_K: ql u8 (128 * supers,), qh u8 (64 * supers,) the file's low and high
+    bits, sc int8 (16 * supers,), d f32 (supers,) . xq int8, xd f32 (supers,), xs int32
+    (16 * supers,) sums of xq per 16 (Q8_K)."""
+    sig = types.float32(*([_ADDR] * 8))
+
+    def codegen(context, b, signature, args):
+        ql, qh, sc, d, xq, xd, xs, supers = args
+        avx2 = _has_avx2(context)
+        v32 = _vec(I8, 32)
+
+        def mask(v):
+            return _const(I8, [v] * 32)
+
+        def superblock(b, s, acc):
+            total = ir.Constant(_vec(I32, 8), None)
+            scales = b.sext(_load(b, sc, b.mul(s, _c(16)), _vec(I8, 16)), _vec(I32, 16))
+            for h in range(2):
+                a = _load(b, ql, b.add(b.mul(s, _c(128)), _c(64 * h)), v32)
+                c = _load(b, ql, b.add(b.mul(s, _c(128)), _c(64 * h + 32)), v32)
+                hb = _load(b, qh, b.add(b.mul(s, _c(64)), _c(32 * h)), v32)
+                ws = (b.or_(b.and_(a, mask(15)), b.shl(b.and_(hb, mask(3)), mask(4))),
+                      b.or_(b.and_(c, mask(15)), b.shl(b.and_(hb, mask(12)), mask(2))),
+                      b.or_(b.lshr(a, mask(4)), b.and_(hb, mask(48))),
+                      b.or_(b.lshr(c, mask(4)), b.lshr(b.and_(hb, mask(192)), mask(2))))
+                for g, w in enumerate(ws):
+                    x = _load(b, xq, b.add(b.mul(s, _c(256)), _c(128 * h + 32 * g)), v32)
+                    dot = _udot(b, avx2, w, x)  # lanes 0-3: sub-block 2g, 4-7: 2g + 1
+                    first = 8 * h + 2 * g
+                    lanes = _pick(b, scales, [first] * 4 + [first + 1] * 4)
+                    total = b.add(total, b.mul(dot, lanes))
+            # the weights' -32 offset: -32 * sum over sub-blocks of scale * sum(x)
+            sums = b.mul(scales, _load(b, xs, b.mul(s, _c(64)), _vec(I32, 16)))
+            sums = b.add(_pick(b, sums, range(8)), _pick(b, sums, range(8, 16)))
+            total = b.sub(total, b.shl(sums, _const(I32, [5] * 8)))
+            xds = _load(b, xd, b.mul(s, _c(4)), F32)
+            return _fma(b, acc, total, b.fmul(_load(b, d, b.mul(s, _c(4)), F32), xds))
+
+        return _row_loop(b, supers, superblock)
+
+    return sig, codegen
+
+
+# -- atomics and raw stores for the thread pool (numba_pool) ---------------------------------
+@intrinsic
+def atomic_load(typingctx, addr):
+    """The int64 at addr, read atomically (sequentially consistent)."""
+    sig = types.int64(_ADDR)
+
+    def codegen(context, b, signature, args):
+        p = b.inttoptr(args[0], I64.as_pointer())
+        return b.load_atomic(p, "seq_cst", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def atomic_store(typingctx, addr, value):
+    """Store the int64 value at addr atomically (sequentially consistent: the stores before it
+    are visible to a thread that reads it)."""
+    sig = types.void(_ADDR, types.int64)
+
+    def codegen(context, b, signature, args):
+        p = b.inttoptr(args[0], I64.as_pointer())
+        b.store_atomic(args[1], p, "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def atomic_cas(typingctx, addr, expected, desired):
+    """Compare-and-swap the int64 at addr: True where it held ``expected`` (now ``desired``)."""
+    sig = types.boolean(_ADDR, types.int64, types.int64)
+
+    def codegen(context, b, signature, args):
+        p = b.inttoptr(args[0], I64.as_pointer())
+        pair = b.cmpxchg(p, args[1], args[2], "seq_cst", "seq_cst")
+        return b.extract_value(pair, 1)
+
+    return sig, codegen
+
+
+@intrinsic
+def atomic_add(typingctx, addr, value):
+    """Add value to the int64 at addr atomically; returns the old value."""
+    sig = types.int64(_ADDR, types.int64)
+
+    def codegen(context, b, signature, args):
+        p = b.inttoptr(args[0], I64.as_pointer())
+        return b.atomic_rmw("add", p, args[1], "seq_cst")
+
+    return sig, codegen
+
+
+@intrinsic
+def store_f32(typingctx, addr, value):
+    """Store the f32 value at byte address addr."""
+    sig = types.void(_ADDR, types.float32)
+
+    def codegen(context, b, signature, args):
+        b.store(args[1], b.inttoptr(args[0], F32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def spin_pause(typingctx):
+    """A spin-wait hint to the core (x86 pause; elsewhere nothing)."""
+    sig = types.void()
+
+    def codegen(context, b, signature, args):
+        triple = context.codegen()._tm.triple if hasattr(context.codegen(), "_tm") else ""
+        if "x86" in str(triple):
+            b.call(_fn(b, "llvm.x86.sse2.pause", ir.VoidType(), []), [])
+        return context.get_dummy_value()
+
+    return sig, codegen
