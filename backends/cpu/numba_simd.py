@@ -73,6 +73,19 @@ def _udot(b: ir.IRBuilder, avx2: bool, w, x):
     return b.add(_pick(b, pairs, range(0, 16, 2)), _pick(b, pairs, range(1, 16, 2)))
 
 
+def _udot_scaled(b: ir.IRBuilder, avx2: bool, w, x, scales):
+    """_udot with lane k multiplied by scales <8 x i32> (each scale repeated over the lanes of
+    one sub-block; |scale| < 2^15). On AVX2 the scale rides in vpmaddwd's second operand (the
+    16-bit lanes 2k, 2k + 1 of lane k) instead of a 32-bit multiply."""
+    if avx2:
+        pairs = b.call(_fn(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16),
+                           [_vec(I8, 32), _vec(I8, 32)]), [w, x])
+        s16 = _pick(b, b.trunc(scales, _vec(I16, 8)), [k // 2 for k in range(16)])
+        return b.call(_fn(b, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8),
+                          [_vec(I16, 16), _vec(I16, 16)]), [pairs, s16])
+    return b.mul(_udot(b, avx2, w, x), scales)
+
+
 def _sdot(b: ir.IRBuilder, avx2: bool, w, x):
     """As _udot for signed w <32 x i8> (|w| <= 127 pairs fit int16 with x in -127..127)."""
     if avx2:  # |w| * (x with w's sign): vpabsb, vpsignb, then the unsigned products
@@ -133,36 +146,77 @@ def dot_q8_0(typingctx, q, d, xq, xd, blocks):
     return sig, codegen
 
 
+def _q5_0_bits(b: ir.IRBuilder, h, lanes):
+    """16 or 0 in each of 32 lanes: bit (lane % 8) of byte lanes[lane // 8] of h <8 x i8>."""
+    spread = _const(I32, [lanes[i // 8] for i in range(32)])
+    bit = _const(I8, [1 << (i % 8) for i in range(32)])
+    set_ = b.icmp_unsigned("!=", b.and_(b.shuffle_vector(h, h, spread), bit),
+                           _const(I8, [0] * 32))
+    return b.select(set_, _const(I8, [16] * 32), _const(I8, [0] * 32))
+
+
 @intrinsic
 def dot_q5_0(typingctx, nib, qh, d, xq, xd, xs, blocks):
     """Row of Q5_0: nib u8 (16 * blocks,) ggml's nibbles, qh u32 (blocks,) fifth bits,
-    d f32 (blocks,) . xq int8, xd f32, xs int32 (blocks,) sums of xq (Q8_0)."""
+    d f32 (blocks,) . xq int8, xd f32, xs int32 (blocks,) sums of xq (Q8_0).
+
+    Two blocks a step: their 32 nibble bytes in one load, the low nibbles (weights 0-15 of
+    each) against x[0:16] of each block and the high ones against x[16:32], so lanes 0-3 of
+    the sums are the first block's and 4-7 the second's, each scaled by its own d * xd."""
     sig = types.float32(_ADDR, _ADDR, _ADDR, _ADDR, _ADDR, _ADDR, _ADDR)
 
     def codegen(context, b, signature, args):
         nib, qh, d, xq, xd, xs, blocks = args
         avx2 = _has_avx2(context)
-        spread = _const(I32, [i // 8 for i in range(32)])  # byte k of qh -> lanes 8k..8k+7
-        bit = _const(I8, [1 << (i % 8) for i in range(32)])
+        v16 = _vec(I8, 16)
 
-        def block(b, i, acc):
-            lo, hi = _nibbles(b, _load(b, nib, b.mul(i, _c(16)), _vec(I8, 16)), 16)
-            w = b.shuffle_vector(lo, hi, _const(I32, range(32)))  # weights 0..31
-            h = b.bitcast(_load(b, qh, b.mul(i, _c(4)), I32), _vec(I8, 4))
-            set_ = b.icmp_unsigned("!=", b.and_(b.shuffle_vector(h, h, spread), bit),
-                                   _const(I8, [0] * 32))
-            w = b.or_(w, b.select(set_, _const(I8, [16] * 32), _const(I8, [0] * 32)))
-            s = _udot(b, avx2, w, _load(b, xq, b.mul(i, _c(32)), _vec(I8, 32)))
-            # the weights' -16 offset: -16 * sum(x) of the block, added to lane 0
-            off = b.mul(_load(b, xs, b.mul(i, _c(4)), I32), ir.Constant(I32, -16))
-            s = b.add(s, b.insert_element(ir.Constant(_vec(I32, 8), None), off,
-                                          ir.Constant(I32, 0)))
-            scale = b.fmul(_load(b, d, b.mul(i, _c(4)), F32), _load(b, xd, b.mul(i, _c(4)), F32))
-            return _fma(b, acc, s, scale)
+        def halves(b, at, first):
+            """x[first:first + 16] of two consecutive blocks at byte address ``at``."""
+            a = _load(b, xq, b.add(at, _c(first)), v16)
+            c = _load(b, xq, b.add(at, _c(32 + first)), v16)
+            return b.shuffle_vector(a, c, _const(I32, range(32)))
 
-        return _row_loop(b, blocks, block)
+        def pair(b, p, acc):
+            lo, hi = _nibbles(b, _load(b, nib, b.mul(p, _c(32)), _vec(I8, 32)), 32)
+            h = _load(b, qh, b.mul(p, _c(8)), _vec(I8, 8))  # two blocks' u32 fifth bits
+            lo = b.or_(lo, _q5_0_bits(b, h, (0, 1, 4, 5)))
+            hi = b.or_(hi, _q5_0_bits(b, h, (2, 3, 6, 7)))
+            at = b.mul(p, _c(64))
+            s = b.add(_udot(b, avx2, lo, halves(b, at, 0)), _udot(b, avx2, hi, halves(b, at, 16)))
+            # the weights' -16 offset: -16 * sum(x) of each block, in lanes 0 and 4
+            sums = b.mul(_load(b, xs, b.mul(p, _c(8)), _vec(I32, 2)), _const(I32, [-16, -16]))
+            s = b.add(s, b.shuffle_vector(sums, ir.Constant(_vec(I32, 2), None),
+                                          _const(I32, [0, 2, 2, 2, 1, 2, 2, 2])))
+            scale = b.fmul(_load(b, d, b.mul(p, _c(8)), _vec(F32, 2)),
+                           _load(b, xd, b.mul(p, _c(8)), _vec(F32, 2)))
+            lanes = _pick(b, scale, [0, 0, 0, 0, 1, 1, 1, 1])
+            return b.fadd(acc, b.fmul(b.sitofp(s, _vec(F32, 8)), lanes, flags=("fast",)),
+                          flags=("fast",))
+
+        acc = _row_loop(b, b.udiv(blocks, _c(2)), pair)
+        return _q5_0_tail(b, avx2, args, acc, b.sub(blocks, _c(1)))
 
     return sig, codegen
+
+
+def _q5_0_tail(b, avx2, args, acc, last):
+    """acc plus block ``last`` of a row with an odd number of Q5_0 blocks (else acc)."""
+    nib, qh, d, xq, xd, xs, blocks = args
+    odd = b.icmp_unsigned("==", b.urem(blocks, _c(2)), _c(1))
+    result = cgutils.alloca_once_value(b, acc)
+    with b.if_then(odd):
+        lo, hi = _nibbles(b, _load(b, nib, b.mul(last, _c(16)), _vec(I8, 16)), 16)
+        w = b.shuffle_vector(lo, hi, _const(I32, range(32)))  # weights 0..31
+        h4 = _load(b, qh, b.mul(last, _c(4)), _vec(I8, 4))
+        h = b.shuffle_vector(h4, h4, _const(I32, [0, 1, 2, 3, 0, 1, 2, 3]))
+        w = b.or_(w, _q5_0_bits(b, h, (0, 1, 2, 3)))
+        s = _udot(b, avx2, w, _load(b, xq, b.mul(last, _c(32)), _vec(I8, 32)))
+        off = b.mul(_load(b, xs, b.mul(last, _c(4)), I32), ir.Constant(I32, -16))
+        s = b.add(s, b.insert_element(ir.Constant(_vec(I32, 8), None), off, ir.Constant(I32, 0)))
+        scale = b.fmul(_load(b, d, b.mul(last, _c(4)), F32), _load(b, xd, b.mul(last, _c(4)), F32))
+        total = b.call(_fn(b, "llvm.vector.reduce.add.v8i32", I32, [_vec(I32, 8)]), [s])
+        b.store(b.fadd(acc, b.fmul(b.sitofp(total, F32), scale)), result)
+    return b.load(result)
 
 
 @intrinsic
@@ -183,9 +237,10 @@ def dot_q4_k(typingctx, nib, sc, mn, dd, dm, xq, xd, xs, supers):
                                            _vec(I8, 32)), 32)
                 xo = b.add(b.mul(s, _c(256)), _c(64 * j))
                 for k, w in ((0, lo), (1, hi)):
-                    dot = _udot(b, avx2, w, _load(b, xq, b.add(xo, _c(32 * k)), _vec(I8, 32)))
                     scale = b.zext(_load(b, sc, b.add(b.mul(s, _c(8)), _c(2 * j + k)), I8), I32)
-                    total = b.add(total, b.mul(dot, _splat(b, scale, 8)))
+                    total = b.add(total, _udot_scaled(
+                        b, avx2, w, _load(b, xq, b.add(xo, _c(32 * k)), _vec(I8, 32)),
+                        _splat(b, scale, 8)))
             mins = b.mul(b.zext(_load(b, mn, b.mul(s, _c(8)), _vec(I8, 8)), _vec(I32, 8)),
                          _load(b, xs, b.mul(s, _c(32)), _vec(I32, 8)))  # m_j * sum(x_j)
             xds = _load(b, xd, b.mul(s, _c(4)), F32)
@@ -225,10 +280,10 @@ def dot_q6_k(typingctx, ql, qh, sc, d, xq, xd, xs, supers):
                       b.or_(b.lshr(c, mask(4)), b.lshr(b.and_(hb, mask(192)), mask(2))))
                 for g, w in enumerate(ws):
                     x = _load(b, xq, b.add(b.mul(s, _c(256)), _c(128 * h + 32 * g)), v32)
-                    dot = _udot(b, avx2, w, x)  # lanes 0-3: sub-block 2g, 4-7: 2g + 1
+                    # lanes 0-3: sub-block 2g, 4-7: 2g + 1
                     first = 8 * h + 2 * g
                     lanes = _pick(b, scales, [first] * 4 + [first + 1] * 4)
-                    total = b.add(total, b.mul(dot, lanes))
+                    total = b.add(total, _udot_scaled(b, avx2, w, x, lanes))
             # the weights' -32 offset: -32 * sum over sub-blocks of scale * sum(x)
             sums = b.mul(scales, _load(b, xs, b.mul(s, _c(64)), _vec(I32, 16)))
             sums = b.add(_pick(b, sums, range(8)), _pick(b, sums, range(8, 16)))
