@@ -58,3 +58,20 @@ def test_small_arrays_stay_ordinary_and_large_ones_are_mapped():
     assert not small.any() and not large.any()
     large[4, -1] = 7.0
     assert large.dtype == np.float32 and large.sum() == 7.0
+
+
+def test_pinned_mmap_threshold_hands_back_plain_numpy_blocks():
+    """After edgellm pins glibc's mmap threshold (at load), freeing a large block no longer
+    moves later blocks of its size into the heap: plain numpy arrays go back when freed."""
+    from edgellm.api import _libc_function, pin_malloc_mmap_threshold
+
+    if _libc_function("mallopt") is None:
+        pytest.skip("not glibc")
+    pin_malloc_mmap_threshold()
+    _free_in_heap_first()
+    before = rss_kb()
+    arrays = [np.ones((1024, 2, 1024), np.float32) for _ in range(12)]  # 12 x 8 MiB
+    assert rss_kb() - before > 48 * 1024  # most of the 96 MiB (some may reuse free pages)
+    del arrays
+    gc.collect()
+    assert rss_kb() - before < 8 * 1024
