@@ -454,7 +454,7 @@ class CpuBackend(NumpyBackend):
 
     def gelu_tanh_mul(self, gate, up):
         if self.native is None:
-            return super().gelu_tanh_mul(gate, up)
+            return _numba()[0].gelu_tanh_mul(gate, up)
         return self._elementwise("ek_gelu_tanh_mul", gate, up)
 
     def _elementwise(self, kernel: str, gate, up):

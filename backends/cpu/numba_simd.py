@@ -10,14 +10,23 @@ accumulator, summed across lanes once per row. On x86 with AVX2 the pair sums ar
 arithmetic in generic vector IR (zero/sign extensions, multiplies, even/odd shuffles), which
 LLVM lowers to whatever the CPU has (NEON on ARM). The layouts they read are
 ``numba_packed``'s; every pointer argument is an address (``array.ctypes.data``).
+
+The jitted side of ``numba_pool`` (claiming chunks of rows, running a job's rows) is here too,
+beside the intrinsics it inlines: Numba's on-disk cache only notices edits to the file a
+function is defined in, so code compiled around these kernels in another file would keep
+running a stale kernel after an edit here.
 """
 
 from __future__ import annotations
 
+import numba as nb
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from .numba_quant import _JIT
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), \
     ir.FloatType()
@@ -372,3 +381,130 @@ def spin_pause(typingctx):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# -- the mat-vec jobs the pool (numba_pool) runs ---------------------------------------------
+# Here, beside the intrinsics they inline: Numba's on-disk cache only notices changes to the
+# file a function is defined in, so code compiled around these kernels must live in this file.
+#: rows per unit of work (as the C kernels)
+CHUNK_ROWS = 16
+#: idle polls (~0.2 ms) before a helper goes to sleep
+SPIN_POLLS = 5000
+#: kernel kinds in a job
+KINDS = {"Q8_0": 0, "Q5_0": 1, "Q4_K": 2, "Q6_K": 3}
+
+# ctl (int64): its own cache line each for the counter, the done count and the sleepers; then
+# the job: kind, rows, blocks, 5 plane addresses, 5 plane strides, 3 activation addresses,
+# 3 activation strides, out address, out stride (bytes per token), tokens
+_CTR, _DONE, _SLEEPING, _JOB = 0, 8, 16, 24
+#: a weight's part of a job (kind, rows, blocks, 5 addresses, 5 strides)
+WEIGHT_FIELDS = 13
+_ACT = _JOB + WEIGHT_FIELDS
+_OUT, _OUT_STRIDE, _TOKENS = _ACT + 6, _ACT + 7, _ACT + 8
+_CTL_WORDS = _TOKENS + 1
+
+
+@nb.njit(inline="always", **_JIT)
+def _run_chunk(ctl, c):
+    """Rows 16c..16c+15 of the published job, for each of its tokens."""
+    kind, rows, blocks = ctl[_JOB], ctl[_JOB + 1], ctl[_JOB + 2]
+    p0, p1, p2, p3, p4 = ctl[_JOB + 3], ctl[_JOB + 4], ctl[_JOB + 5], ctl[_JOB + 6], ctl[_JOB + 7]
+    s0, s1, s2, s3, s4 = ctl[_JOB + 8], ctl[_JOB + 9], ctl[_JOB + 10], ctl[_JOB + 11], \
+        ctl[_JOB + 12]
+    xq, xd, xs = ctl[_ACT], ctl[_ACT + 1], ctl[_ACT + 2]
+    tq, td, ts = ctl[_ACT + 3], ctl[_ACT + 4], ctl[_ACT + 5]
+    out, out_stride, n = ctl[_OUT], ctl[_OUT_STRIDE], ctl[_TOKENS]
+    for r in range(c * CHUNK_ROWS, min(rows, c * CHUNK_ROWS + CHUNK_ROWS)):
+        a0, a1, a2, a3, a4 = p0 + r * s0, p1 + r * s1, p2 + r * s2, p3 + r * s3, p4 + r * s4
+        for t in range(n):
+            q, d, s = xq + t * tq, xd + t * td, xs + t * ts
+            if kind == 0:
+                v = dot_q8_0(a0, a1, q, d, blocks)
+            elif kind == 1:
+                v = dot_q5_0(a0, a1, a2, q, d, s, blocks)
+            elif kind == 2:
+                v = dot_q4_k(a0, a1, a2, a3, a4, q, d, s, blocks)
+            else:
+                v = dot_q6_k(a0, a1, a2, a3, q, d, s, blocks)
+            store_f32(out + t * out_stride + 4 * r, v)
+
+
+@nb.njit(inline="always", **_JIT)
+def _work(ctl, gen):
+    """Claim and run chunks of job generation gen until none are left."""
+    at = np.int64(ctl.ctypes.data)
+    v = atomic_load(at + 8 * _CTR)
+    while True:
+        chunks, nxt = (v >> 20) & 0xFFFFF, v & 0xFFFFF
+        if (v >> 40) != gen or nxt >= chunks:
+            return
+        if atomic_cas(at + 8 * _CTR, v, v + 1):
+            _run_chunk(ctl, nxt)
+            atomic_add(at + 8 * _DONE, 1)
+        v = atomic_load(at + 8 * _CTR)
+
+
+@nb.njit(nogil=True, **_JIT)
+def _publish(ctl, job, xq, xd, xs, out):
+    """Write the job into ctl and open it (a new generation); returns the generation and
+    whether a helper sleeps (then the caller wakes it)."""
+    at = np.int64(ctl.ctypes.data)
+    for i in range(WEIGHT_FIELDS):
+        ctl[_JOB + i] = job[i]
+    ctl[_ACT], ctl[_ACT + 1], ctl[_ACT + 2] = xq.ctypes.data, xd.ctypes.data, xs.ctypes.data
+    ctl[_ACT + 3], ctl[_ACT + 4], ctl[_ACT + 5] = xq.strides[0], xd.strides[0], xs.strides[0]
+    ctl[_OUT], ctl[_OUT_STRIDE], ctl[_TOKENS] = out.ctypes.data, out.strides[0], xq.shape[0]
+    chunks = (job[1] + CHUNK_ROWS - 1) // CHUNK_ROWS
+    atomic_store(at + 8 * _DONE, 0)
+    gen = ((atomic_load(at + 8 * _CTR) >> 40) + 1) & 0xFFFFFF
+    atomic_store(at + 8 * _CTR, (gen << 40) | (chunks << 20))
+    return gen, atomic_load(at + 8 * _SLEEPING) > 0
+
+
+@nb.njit(nogil=True, **_JIT)
+def _work_and_wait(ctl, gen, chunks):
+    """The caller's share of job gen, then wait for chunks the helpers claimed."""
+    _work(ctl, gen)
+    at = np.int64(ctl.ctypes.data)
+    while atomic_load(at + 8 * _DONE) < chunks:
+        spin_pause()
+
+
+@nb.njit(nogil=True, **_JIT)
+def _helper_poll(ctl, seen, polls):
+    """Run jobs as they are published; return the last generation seen once ``polls``
+    consecutive polls found nothing new."""
+    at = np.int64(ctl.ctypes.data)
+    idle = 0
+    while idle < polls:
+        gen = atomic_load(at + 8 * _CTR) >> 40
+        if gen != seen:
+            seen = gen
+            _work(ctl, gen)
+            idle = 0
+        else:
+            idle += 1
+            spin_pause()
+    return seen
+
+
+@nb.njit(nogil=True, **_JIT)
+def _run_alone(ctl, job, xq, xd, xs, out):
+    """The whole job on the calling thread (one thread, or too few rows to share)."""
+    for i in range(WEIGHT_FIELDS):
+        ctl[_JOB + i] = job[i]
+    ctl[_ACT], ctl[_ACT + 1], ctl[_ACT + 2] = xq.ctypes.data, xd.ctypes.data, xs.ctypes.data
+    ctl[_ACT + 3], ctl[_ACT + 4], ctl[_ACT + 5] = xq.strides[0], xd.strides[0], xs.strides[0]
+    ctl[_OUT], ctl[_OUT_STRIDE], ctl[_TOKENS] = out.ctypes.data, out.strides[0], xq.shape[0]
+    for c in range((job[1] + CHUNK_ROWS - 1) // CHUNK_ROWS):
+        _run_chunk(ctl, c)
+
+
+@nb.njit(**_JIT)
+def _add(ctl, i, value):
+    atomic_add(np.int64(ctl.ctypes.data) + 8 * i, value)
+
+
+@nb.njit(**_JIT)
+def _get(ctl, i):
+    return atomic_load(np.int64(ctl.ctypes.data) + 8 * i)
