@@ -385,19 +385,6 @@ FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, c
  * float steps are the AVX-512 tiles' own, so a token's result does not depend on its batch,
  * and prefill (these tiles, 8 tokens at a time) gives it the same bits as decode. */
 
-/* Streamed from DRAM, the records want their prefetches further ahead than the file's blocks
- * (one record interleaves 3 streams: nibbles, high bits, scales): 1.5B's Q6_K output matrix,
- * one thread, 10.9 GB/s at 2 KB ahead, 12.4 at 4 KB. */
-#ifndef PACKED_PREFETCH_AHEAD
-#define PACKED_PREFETCH_AHEAD 4096
-#endif
-#ifndef PACKED_PREFETCH_HINT
-#define PACKED_PREFETCH_HINT _MM_HINT_T0
-#endif
-#define PREFETCH_RECORD(p, bytes)                                                             \
-    for (int pf_ = 0; pf_ < (bytes); pf_ += 64)                                               \
-        _mm_prefetch((const char *)(p) + PACKED_PREFETCH_AHEAD + pf_, PACKED_PREFETCH_HINT)
-
 static inline __m256i half_at(const uint8_t *p, int h) {
     return _mm256_loadu_si256((const __m256i *)(p + 32 * h));
 }
@@ -423,10 +410,6 @@ static inline __m256i lane_pairs(const uint8_t *a, const uint8_t *b, int h, int 
     return sign ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v);
 }
 
-static inline __m256 f16x8(const uint8_t *p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-
 /* out[t * ldo + lane] for the half's 8 lanes whose bit is set in keep8 */
 static inline void store_half(float *out, unsigned keep8, __m256 v) {
     if (keep8 == 0xFF) {
@@ -434,7 +417,8 @@ static inline void store_half(float *out, unsigned keep8, __m256 v) {
         return;
     }
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256i mask = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)keep8), bit), bit);
+    const __m256i set = _mm256_and_si256(_mm256_set1_epi32((int)keep8), bit);
+    const __m256i mask = _mm256_cmpeq_epi32(set, bit);
     _mm256_maskstore_ps(out, mask, v);
 }
 
@@ -447,7 +431,7 @@ FORCE void dtile_q8_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
                       __m256 *acc, const int T) {
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     for (int s = 0; s < nb; s++, src += 544) {
-        PREFETCH_RECORD(src, 544);
+        PREFETCH(src, 544);
         for (int h = 0; h < nh; h++) {
             __m256i dot[GEMM_T];
             for (int t = 0; t < T; t++) dot[t] = _mm256_setzero_si256();
@@ -462,7 +446,7 @@ FORCE void dtile_q8_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
                         dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xs), ones));
                 }
             }
-            const __m256 sc = f16x8(src + 512 + 16 * h);
+            const __m256 sc = load_f16x8((const uint16_t *)(src + 512 + 16 * h));
             for (int t = 0; t < T; t++)
                 acc[h * GEMM_T + t] = _mm256_fmadd_ps(
                     _mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(sc, _mm256_set1_ps(f1[s * T + t])),
@@ -476,7 +460,7 @@ FORCE void dtile_q5_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
                       const float *f1, __m256 *acc, const int T) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int s = 0; s < nb; s++, src += 352) {
-        PREFETCH_RECORD(src, 352);
+        PREFETCH(src, 352);
         const int8_t *xs = x + 4 * (int64_t)(8 * s) * T;
         for (int h = 0; h < nh; h++) {
             __m256i g[8];
@@ -488,7 +472,7 @@ FORCE void dtile_q5_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
                 g[2 * i] = _mm256_or_si256(g[2 * i], bits_to_0x10(m0));
                 g[2 * i + 1] = _mm256_or_si256(g[2 * i + 1], bits_to_0x10(m1));
             }
-            const __m256 sc = f16x8(src + 320 + 16 * h);
+            const __m256 sc = load_f16x8((const uint16_t *)(src + 320 + 16 * h));
             for (int t = 0; t < T; t++) {
                 __m256i dot = _mm256_set1_epi32(xc[s * T + t]);
                 for (int k = 0; k < 8; k += 4) {  /* 4 groups of 5-bit products fit int16 */
@@ -511,7 +495,7 @@ FORCE void dtile_q5_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
 FORCE void dtile_q4k(const uint8_t *src, int nsb, int nh, const int8_t *x, const int32_t *xp,
                      const float *f1, __m256 *acc, const int T) {
     for (int sb = 0; sb < nsb; sb++, src += 2368) {
-        PREFETCH_RECORD(src, 2368);
+        PREFETCH(src, 2368);
         __m256i isum[2 * GEMM_T], imin[2 * GEMM_T];
         for (int t = 0; t < 2 * GEMM_T; t++) isum[t] = imin[t] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
@@ -536,11 +520,13 @@ FORCE void dtile_q4k(const uint8_t *src, int nsb, int nh, const int8_t *x, const
                     imin[h * GEMM_T + t] = _mm256_add_epi32(imin[h * GEMM_T + t], _mm256_madd_epi16(
                         mn, _mm256_set1_epi32(xp[(sb * 4 + p) * T + t])));
             }
-            const __m256 d = f16x8(src + 2304 + 16 * h), dmin = f16x8(src + 2336 + 16 * h);
+            const __m256 d = load_f16x8((const uint16_t *)(src + 2304 + 16 * h));
+            const __m256 dmin = load_f16x8((const uint16_t *)(src + 2336 + 16 * h));
             for (int t = 0; t < T; t++) {
                 const __m256 xd = _mm256_set1_ps(f1[sb * T + t]);
                 __m256 *a = &acc[h * GEMM_T + t];
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h * GEMM_T + t]), _mm256_mul_ps(d, xd), *a);
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h * GEMM_T + t]),
+                                     _mm256_mul_ps(d, xd), *a);
                 *a = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[h * GEMM_T + t]),
                                       _mm256_mul_ps(dmin, xd), *a);
             }
@@ -555,7 +541,7 @@ FORCE void dtile_q6k(const uint8_t *src, int nsb, int nh, const int8_t *x, const
                      const float *f1, __m256 *acc, const int T) {
     const __m256i top = _mm256_set1_epi8(0x30);
     for (int sb = 0; sb < nsb; sb++, src += 3360) {
-        PREFETCH_RECORD(src, 3360);
+        PREFETCH(src, 3360);
         __m256i isum[2 * GEMM_T], ioff[2 * GEMM_T];
         for (int t = 0; t < 2 * GEMM_T; t++) isum[t] = ioff[t] = _mm256_setzero_si256();
         for (int j = 0; j < 16; j++) {
@@ -588,7 +574,7 @@ FORCE void dtile_q6k(const uint8_t *src, int nsb, int nh, const int8_t *x, const
                     ioff[h * GEMM_T + t] = _mm256_add_epi32(ioff[h * GEMM_T + t], _mm256_madd_epi16(
                         sc, _mm256_set1_epi32(xp[(sb * 8 + p) * T + t])));
             }
-            const __m256 d = f16x8(src + 3328 + 16 * h);
+            const __m256 d = load_f16x8((const uint16_t *)(src + 3328 + 16 * h));
             for (int t = 0; t < T; t++) {
                 const __m256i tot = _mm256_sub_epi32(isum[h * GEMM_T + t],
                                                      _mm256_slli_epi32(ioff[h * GEMM_T + t], 5));
@@ -641,11 +627,6 @@ static void dtile(int qtype, const uint8_t *src, int cols, const int8_t *x, cons
 
 /* ---- the matmul on packed weights ------------------------------------------------------- */
 
-#if defined(HAVE_GEMM)
-#define CHUNK_HEAD_PREFETCH PREFETCH_AHEAD
-#else
-#define CHUNK_HEAD_PREFETCH PACKED_PREFETCH_AHEAD
-#endif
 
 typedef struct {
     int qtype, rows, cols, n;
@@ -666,8 +647,8 @@ static void packed_chunk_decode(const void *ctx, int r0, int r1) {
     /* The records' prefetches run ahead of the one being read, so the last ones of a chunk
      * fetch the next chunk, which another thread usually claims: a chunk's own first bytes
      * would come in cold, one demand miss at a time. Asked for here, they arrive together. */
-    const int64_t head = packed_chunk_bytes(j->qtype, cols) < CHUNK_HEAD_PREFETCH
-                             ? packed_chunk_bytes(j->qtype, cols) : CHUNK_HEAD_PREFETCH;
+    const int64_t head = packed_chunk_bytes(j->qtype, cols) < PREFETCH_AHEAD
+                             ? packed_chunk_bytes(j->qtype, cols) : PREFETCH_AHEAD;
     for (int64_t b = 0; b < head; b += 64) _mm_prefetch((const char *)src + b, _MM_HINT_T0);
     for (int t0 = 0, T; t0 < j->n; t0 += T) {
         T = tile_len(j->n - t0);
