@@ -63,15 +63,20 @@ def test_small_arrays_stay_ordinary_and_large_ones_are_mapped():
 def test_pinned_mmap_threshold_hands_back_plain_numpy_blocks():
     """After edgellm pins glibc's mmap threshold (at load), freeing a large block no longer
     moves later blocks of its size into the heap: plain numpy arrays go back when freed."""
-    from edgellm.api import _libc_function, pin_malloc_mmap_threshold
+    from edgellm.api import MMAP_THRESHOLD, _libc_function, pin_malloc_mmap_threshold
 
     if _libc_function("mallopt") is None:
         pytest.skip("not glibc")
     pin_malloc_mmap_threshold()
     _free_in_heap_first()
     before = rss_kb()
-    arrays = [np.ones((1024, 2, 1024), np.float32) for _ in range(12)]  # 12 x 8 MiB
+    # blocks just over the pinned threshold (96 MiB in all), under the 30 MB the free above
+    # would have raised glibc's own threshold to
+    size = MMAP_THRESHOLD + (4 << 20)
+    arrays = [np.ones(size, np.uint8) for _ in range(-(-(96 << 20) // size))]
+    later = np.ones(1000, np.uint8)  # a small block allocated after them, still alive at the end
     assert rss_kb() - before > 48 * 1024  # most of the 96 MiB (some may reuse free pages)
     del arrays
     gc.collect()
     assert rss_kb() - before < 8 * 1024
+    assert later.sum() == 1000
