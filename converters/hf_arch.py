@@ -139,23 +139,61 @@ def transform(spec: ArchSpec, cfg: dict[str, Any], name: str, w: np.ndarray) -> 
     return w
 
 
-def rope_metadata(cfg: dict[str, Any]) -> dict[str, Any]:
-    """rope.freq_base and linear scaling; other RoPE scalings are refused, not dropped."""
+def _rope_params(cfg: dict[str, Any]) -> tuple[float | None, dict[str, Any], str]:
+    """(rope theta, scaling parameters, scaling kind) from either config spelling."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta"))
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type (Gemma 3)
         theta = params["full_attention"].get("rope_theta", theta)
         params = params["full_attention"]
+    kind = params.get("rope_type", params.get("type", "default")) if params else "default"
+    return theta, params, str(kind or "default").lower()
+
+
+def rope_metadata(spec: ArchSpec, cfg: dict[str, Any]) -> dict[str, Any]:
+    """rope.freq_base and linear scaling (Llama 3 scaling is a tensor: ``generated_tensors``);
+    other RoPE scalings are refused, not dropped."""
+    theta, params, kind = _rope_params(cfg)
     out: dict[str, Any] = {}
     if theta is not None:
         out["rope.freq_base"] = float(theta)
-    kind = params.get("rope_type", params.get("type", "default")) if params else "default"
     if kind == "linear":
         out["rope.scaling.type"] = "linear"
         out["rope.scaling.factor"] = float(params["factor"])
-    elif kind not in ("default", None):
+    elif kind == "llama3" and spec.gguf_arch != "llama":
+        raise ValueError(f"Llama 3 RoPE scaling on {spec.hf_name} is not supported by edgellm "
+                         "convert (only llama-architecture models read rope_freqs)")
+    elif kind not in ("default", "llama3"):
         raise ValueError(f"RoPE scaling {kind!r} is not supported by edgellm convert yet")
     return out
+
+
+def llama3_rope_factors(cfg: dict[str, Any]) -> np.ndarray:
+    """Llama 3's per-frequency RoPE divisors, f32 (head_dim // 2,): 1 for wavelengths under
+    ``original_max / high_freq_factor``, ``factor`` above ``original_max / low_freq_factor``,
+    and a smooth blend between. ggml divides each rotation frequency by its entry."""
+    theta, params, _ = _rope_params(cfg)
+    dim = head_dim(cfg)
+    freqs = 1.0 / (float(theta or 10000.0) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    f32 = np.float32  # in f32 throughout, as llama.cpp's converter computes them
+    factor = f32(params.get("factor", 8.0))
+    low, high = f32(params.get("low_freq_factor", 1.0)), f32(params.get("high_freq_factor", 4.0))
+    old_context = f32(params.get("original_max_position_embeddings", 8192))
+    wavelen = f32(2 * np.pi) / freqs
+    with np.errstate(divide="ignore", invalid="ignore"):  # high == low: no blend band
+        smooth = (old_context / wavelen - low) / (high - low)
+        blended = f32(1) / ((f32(1) - smooth) / factor + smooth)
+    out = np.where(wavelen < old_context / high, f32(1),
+                   np.where(wavelen > old_context / low, factor, blended))
+    return out.astype(np.float32)
+
+
+def generated_tensors(spec: ArchSpec, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Tensors the file needs that the checkpoint does not hold (GGUF name -> f32 values);
+    llama.cpp's converter writes them before the checkpoint's own."""
+    if _rope_params(cfg)[2] == "llama3" and spec.gguf_arch == "llama":
+        return {"rope_freqs.weight": llama3_rope_factors(cfg)}
+    return {}
 
 
 def model_metadata(spec: ArchSpec, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -169,7 +207,7 @@ def model_metadata(spec: ArchSpec, cfg: dict[str, Any]) -> dict[str, Any]:
         "attention.head_count": n_heads,
         "attention.head_count_kv": int(cfg.get("num_key_value_heads") or n_heads),
     }
-    out.update(rope_metadata(cfg))
+    out.update(rope_metadata(spec, cfg))
     out["attention.layer_norm_rms_epsilon"] = float(cfg.get("rms_norm_eps", 1e-6))
     if cfg.get("head_dim"):
         out["attention.key_length"] = int(cfg["head_dim"])

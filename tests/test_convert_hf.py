@@ -241,6 +241,29 @@ def test_refuses_shapes_that_contradict_the_config(folders, tmp_path, capsys):
     refused(folder, tmp_path, capsys, "checkpoint lacks the tensor for blk.2.attn_q.weight")
 
 
+def test_refuses_rope_scalings_it_cannot_write(folders, tmp_path, capsys):
+    folder = copy_folder(folders["qwen2"][0], tmp_path / "m")
+    edit_json(folder / "config.json", rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 64})
+    refused(folder, tmp_path, capsys, "RoPE scaling 'yarn' is not supported")
+    edit_json(folder / "config.json", rope_parameters={"rope_type": "llama3", "factor": 8.0})
+    refused(folder, tmp_path, capsys, "Llama 3 RoPE scaling on Qwen2ForCausalLM")
+
+
+def test_llama3_rope_scaling_becomes_the_rope_freqs_tensor(folders, tmp_path):
+    from edgellm.converters.gguf_reader import read_gguf
+
+    convert(folders["llama3_rope"][0], tmp_path / "l3.gguf", "q8_0")
+    tensors = read_gguf(tmp_path / "l3.gguf").tensors
+    assert next(iter(tensors)) == "rope_freqs.weight"  # first, where llama.cpp writes it
+    factors = tensors["rope_freqs.weight"].dequantize()
+    # 16-wide heads, theta 1e4, window 128/4..128/1: 2 kept, 1 blended, 5 divided by 8
+    assert factors.dtype == np.float32 and factors.shape == (8,)
+    np.testing.assert_array_equal(factors[:2], 1.0)
+    assert 1.0 < factors[2] < 8.0
+    np.testing.assert_array_equal(factors[3:], 8.0)
+
+
 def test_refuses_unknown_pre_tokenizer_naming_it(folders, tmp_path, capsys):
     folder = copy_folder(folders["qwen2"][0], tmp_path / "m")
     tok = json.loads((folder / "tokenizer.json").read_text())

@@ -44,6 +44,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, "qwen2"),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, "llama3"),
+    # Llama 3.x RoPE scaling, the window set so the 8 frequencies of a 16-wide head fall in
+    # all three bands (kept, blended, divided by the factor)
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM",
+                    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 128}}, "llama3"),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}, "llama3"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}, "qwen2"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
