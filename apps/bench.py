@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import sys
+from pathlib import Path
 
 from edgellm.apps.common import CliError, add_draft_args
 
@@ -18,7 +19,8 @@ from edgellm.apps.common import CliError, add_draft_args
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="edgellm bench", description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", action="append", default=None,
-                   help="catalog name or .gguf path; repeat for several (default: 0.5B coder)")
+                   help="catalog name, .gguf path or Hugging Face folder (converted to q8_0 "
+                        "at load); repeat for several (default: 0.5B coder)")
     p.add_argument("--backend", default="auto", help="comma-separated backends (default auto)")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="CPU threads (default: physical cores)")
@@ -85,6 +87,10 @@ def main(argv: list[str], command: str = "bench") -> int:
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     if args.compare_llamacpp and bench.find_llama_bench() is None:
         raise CliError("--compare-llamacpp: llama-bench not found; set $LLAMA_BENCH")
+    folders = [m for m in models if Path(m).is_dir()]
+    if args.compare_llamacpp and folders:
+        raise CliError(f"--compare-llamacpp: llama-bench reads .gguf files, not the folder "
+                       f"{folders[0]}; convert it first (edgellm convert)")
     results = []
     for model in models:
         reference = {}

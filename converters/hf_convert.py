@@ -229,21 +229,26 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, outtype: str = "f16"
     return plan
 
 
+def read_metadata(plan: ConversionPlan) -> dict[str, Any]:
+    """The plan's metadata as ``read_gguf`` gives a file's (token types and scores as numpy
+    arrays): what the tokenizer and ``ModelArgs`` read, without converting any weight."""
+    metadata = dict(plan.metadata)
+    metadata["tokenizer.ggml.token_type"] = np.asarray(metadata["tokenizer.ggml.token_type"],
+                                                       dtype=np.int32)
+    if "tokenizer.ggml.scores" in metadata:
+        metadata["tokenizer.ggml.scores"] = np.asarray(metadata["tokenizer.ggml.scores"],
+                                                       dtype=np.float32)
+    return metadata
+
+
 def folder_as_gguf(src: str | os.PathLike, outtype: str = "q8_0",
                    threads: int | None = None) -> Any:
     """The ``GGUFFile`` that ``read_gguf`` would give for the converted file, built in memory
     without writing one (``edgellm.load`` of a folder)."""
-    import numpy as _np
-
     from edgellm.converters.gguf_reader import GGUFFile, QTensor
 
     plan = plan_conversion(src, outtype)
-    metadata = dict(plan.metadata)
-    metadata["tokenizer.ggml.token_type"] = _np.asarray(metadata["tokenizer.ggml.token_type"],
-                                                        dtype=_np.int32)
-    if "tokenizer.ggml.scores" in metadata:
-        metadata["tokenizer.ggml.scores"] = _np.asarray(metadata["tokenizer.ggml.scores"],
-                                                        dtype=_np.float32)
+    metadata = read_metadata(plan)
     tensors = {}
     try:
         for t, data in converted_tensors(plan, threads):

@@ -177,23 +177,27 @@ def bench_model(model: str, backend: str = "auto", threads: int | None = None,
                 n_prompt: int = 512, n_gen: int = 128, repetitions: int = 5) -> list[BenchRecord]:
     """Measure ``pp{n_prompt}`` and ``tg{n_gen}`` (either skipped when 0) on one backend."""
     import edgellm
-    from edgellm.converters.gguf_reader import read_gguf
+    from edgellm.modelinfo import read_header
 
     reset_peak_rss()
     start = time.perf_counter()
     loaded = edgellm.load(model, backend=backend, threads=threads)
     load_s = time.perf_counter() - start
-    tensors = read_gguf(loaded.path).tensors
+    header = read_header(model)  # a folder: the tensor table as it was converted at load
+    tensors = header.tensors
     net, be = loaded.net, loaded.backend
     on_device = getattr(be, "device_memory", lambda: None)()  # after load: the weights
     described = getattr(be, "device_name", None)
-    common = dict(model=loaded.name, size=loaded.path.stat().st_size,
+    # a folder's size is that of its weights as converted, as a file of them would be
+    size = (header.file_bytes if header.gguf_version
+            else sum(t.nbytes for t in tensors.values()))
+    common = dict(model=loaded.name, size=size,
                   params=sum(t.n_elements for t in tensors.values()),
                   quant=quant_name(loaded.metadata), backend=backend_label(be),
                   device=described() if described else device_name(),
-                  threads=int(getattr(be, "threads", threads or 1)),
+                  threads=int(getattr(be, "threads", None) or threads or 1),
                   weight_bytes_per_token=weights_read_per_token(tensors), load_s=load_s)
-    del tensors
+    del tensors, header
 
     def make_cache():
         return loaded.make_cache(n_prompt + n_gen + 16)

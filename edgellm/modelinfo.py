@@ -2,12 +2,58 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from edgellm.config import ModelArgs
-from edgellm.converters.gguf_reader import GGUFFile
+
+
+class TensorInfo(Protocol):
+    """What a summary needs of a tensor: a file's ``QTensor`` or a conversion's plan entry."""
+
+    qtype: Any  # GGMLQuantizationType
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def n_elements(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ModelHeader:
+    """A model's metadata and tensor table, from a GGUF file or planned from a Hugging Face
+    folder (types as it would be converted at load; no weight read or converted)."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: Mapping[str, TensorInfo]
+    file_bytes: int  # the .gguf file, or the folder's safetensors weights
+    gguf_version: int | None  # None for a folder
+    source: str  # "gguf" or "hf folder as q8_0"
+
+
+def read_header(model: str | os.PathLike, quant: str = "q8_0") -> ModelHeader:
+    """The header of a catalog model, ``.gguf`` path or Hugging Face folder (``quant``: the
+    type ``edgellm.load`` converts a folder to)."""
+    if Path(model).is_dir():
+        from edgellm.converters.hf_convert import plan_conversion, read_metadata
+
+        plan = plan_conversion(model, quant)
+        plan.folder.close()
+        return ModelHeader(Path(model), read_metadata(plan), {t.name: t for t in plan.tensors},
+                           plan.folder.source_bytes, None, f"hf folder as {quant}")
+    from edgellm.converters.gguf_reader import read_gguf
+    from edgellm.store import resolve_model
+
+    gguf = read_gguf(resolve_model(model))
+    return ModelHeader(gguf.path, gguf.metadata, gguf.tensors, gguf.file_size, gguf.version,
+                       "gguf")
 
 
 def kv_cache_bytes(args: ModelArgs, tokens: int, bytes_per_value: int = 4) -> int:
@@ -28,21 +74,22 @@ def default_cache_plan(args: ModelArgs, tokens: int | None = None, dtype: str = 
     return plan_cache(specs, CacheConfig(max_tokens=tokens, dtype=dtype))
 
 
-def describe(gguf: GGUFFile) -> dict[str, Any]:
-    """Architecture, sizes, quant mix, context and template of a model file."""
-    md = gguf.metadata
+def describe(header: ModelHeader) -> dict[str, Any]:
+    """Architecture, sizes, quant mix, context and template of a model."""
+    md = header.metadata
     args = ModelArgs.from_metadata(md)
-    n_params = sum(t.n_elements for t in gguf.tensors.values())
-    weight_bytes = sum(t.nbytes for t in gguf.tensors.values())
+    n_params = sum(t.n_elements for t in header.tensors.values())
+    weight_bytes = sum(t.nbytes for t in header.tensors.values())
     mix = Counter()
-    for t in gguf.tensors.values():
+    for t in header.tensors.values():
         mix[t.qtype.name] += t.nbytes
     template = md.get("tokenizer.chat_template")
     return {
-        "path": str(Path(gguf.path)),
+        "path": str(Path(header.path)),
+        "source": header.source,
         "name": md.get("general.name"),
         "architecture": args.architecture,
-        "file_bytes": gguf.file_size,
+        "file_bytes": header.file_bytes,
         "parameters": n_params,
         "weight_bytes": weight_bytes,
         "bits_per_weight": round(8 * weight_bytes / n_params, 2),
@@ -58,19 +105,22 @@ def describe(gguf: GGUFFile) -> dict[str, Any]:
         "kv_bytes_per_token_f16": kv_cache_bytes(args, 1, 2),
         "kv_cache": default_cache_plan(args).describe(),
         "kv_cache_bytes": default_cache_plan(args).nbytes,
-        "gguf_version": gguf.version,
+        "gguf_version": header.gguf_version,
     }
 
 
-def backend_memory(path: str | Path, backend: str) -> dict[str, Any]:
+def backend_memory(path: str | Path, backend: str, quant: str = "q8_0") -> dict[str, Any]:
     """Load the model on ``backend`` and say what it holds: the device's own figures where
     the backend reports them (MLX's active memory, CUDA's allocated bytes), and their ratio
-    to the GGUF file's size."""
+    to the GGUF file's size (a folder: its weights as converted to ``quant``)."""
     from edgellm.api import load
 
-    model = load(path, backend=backend)
+    model = load(path, backend=backend, quant=quant)
     be = model.backend
-    size = Path(model.path).stat().st_size
+    if Path(path).is_dir():
+        size = sum(t.nbytes for t in read_header(path, quant).tensors.values())
+    else:
+        size = Path(model.path).stat().st_size
     name = getattr(be, "device_name", None)
     out: dict[str, Any] = {"backend": be.name, "device": name() if name else "host"}
     memory = be.device_memory()

@@ -122,6 +122,30 @@ def test_tokenization_matches_the_source_tokenizer(folders, tmp_path, arch):
             assert ours.encode(text, add_bos=False) == sp.encode(text), text
 
 
+def test_info_tokenize_and_bench_take_a_folder(folders, capsys):
+    """Every command that takes a model takes a folder: info and tokenize read no weights."""
+    from tokenizers import Tokenizer
+
+    from edgellm.apps.info import main as info_main
+    from edgellm.apps.tokenize import main as tokenize_main
+    from edgellm.bench import bench_model
+
+    folder, model = folders["qwen2"]
+    n_params = sum(p.numel() for p in model.parameters())
+    assert info_main([str(folder), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["source"] == "hf folder as q8_0" and info["architecture"] == "qwen2"
+    assert info["parameters"] == n_params and set(info["quant_mix"]) == {"Q8_0", "F32"}
+    text = TEXTS[1]
+    assert tokenize_main(["-m", str(folder), "--ids-only", text]) == 0
+    ids = json.loads(capsys.readouterr().out)
+    hf = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert ids == hf.encode(text, add_special_tokens=False).ids
+    pp, tg = bench_model(str(folder), "numpy", n_prompt=8, n_gen=4, repetitions=1)
+    assert (pp.test, tg.test, pp.params, pp.quant) == ("pp8", "tg4", n_params, "Q8_0")
+    assert pp.size == info["weight_bytes"] and tg.mean > 0
+
+
 def test_chat_template_and_special_ids_survive(folders, tmp_path):
     folder, _ = folders["qwen2"]
     convert(folder, tmp_path / "c.gguf", "q8_0")
