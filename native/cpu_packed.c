@@ -16,7 +16,10 @@
  * (4 columns x 16 rows x 1 byte; a "nibble vector" holds groups 2i in its low nibbles and
  * 2i + 1 in its high ones) followed by the raw scales of the 16 rows:
  *   Q8_0, 32 columns:  8 x 64 q+128 bytes | d f16[16]                              544 bytes
- *   Q5_0, 32 columns:  4 x 64 nibbles | 4 x 2 u64 fifth bits (one per group) | d f16[16]  352
+ *   Q5_0, 32 columns:  4 x 64 nibbles | 64 bytes of fifth bits | d f16[16]              352
+ *                      (AVX-512: a u64 mask per group, bit k for byte k; AVX2: a plane whose
+ *                      byte k holds byte k's fifth bit of group i in bit i, so one shift and
+ *                      an and give a group's 0x10s, as Q6_K's top bits)
  *   Q4_K, 256 columns: 32 x 64 nibbles | sc u8[8][16] | m u8[8][16] | d, dmin f16[16]   2368
  *   Q6_K, 256 columns: 32 x 64 nibbles | 16 x 64 top-2-bit bytes (groups 4h..4h+3 in bits
  *                      0-1, 2-3, 4-5, 6-7) | sc i8[16][16] | d f16[16]                 3360
@@ -58,12 +61,33 @@ static void pack_nibbles(const chunk_t *u, int g, uint8_t *dst) {
     for (int k = 0; k < 64; k++) dst[k] = (uint8_t)((lo[k] & 0x0F) | (hi[k] & 0x0F) << 4);
 }
 
-/* Q5_0: bit k of the result is the fifth bit of byte k of group g */
-static uint64_t pack_fifth_bits(const chunk_t *u, int g) {
-    const uint8_t *q = group_at(u, g);
-    uint64_t bits = 0;
-    for (int k = 0; k < 64; k++) bits |= (uint64_t)((q[k] >> 4) & 1) << k;
-    return bits;
+/* Q5_0: the fifth bits of groups g0..g0+7 into the record's 64 bytes (layout above) */
+static void pack_fifth_bits(const chunk_t *u, int g0, uint8_t *dst) {
+#if defined(HAVE_GEMM)
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *q = group_at(u, g0 + g);
+        uint64_t bits = 0;
+        for (int k = 0; k < 64; k++) bits |= (uint64_t)((q[k] >> 4) & 1) << k;
+        memcpy(dst + 8 * g, &bits, 8);
+    }
+#else
+    for (int k = 0; k < 64; k++) {
+        uint8_t b = 0;
+        for (int g = 0; g < 8; g++) b |= (uint8_t)(((group_at(u, g0 + g)[k] >> 4) & 1) << g);
+        dst[k] = b;
+    }
+#endif
+}
+
+/* Q5_0: the fifth bit of byte `at` of group g of a record */
+static int fifth_bit(const uint8_t *rec, int g, int at) {
+#if defined(HAVE_GEMM)
+    uint64_t bits;
+    memcpy(&bits, rec + 256 + 8 * g, 8);
+    return (int)((bits >> at) & 1);
+#else
+    return (rec[256 + at] >> g) & 1;
+#endif
 }
 
 /* Q6_K: bits 4-5 of groups g..g+3 as bits 0-1, 2-3, 4-5, 6-7 of each byte */
@@ -112,10 +136,7 @@ static void pack_chunk(int qtype, const uint8_t *w, int64_t row_bytes, int nr, i
             for (int i = 0; i < groups / 2; i++) pack_nibbles(u, g0 + 2 * i, dst + 64 * i);
             scales = dst + 32 * groups;
             if (qtype == T_Q5_0) {  /* each group's fifth bits: one bit per byte of the group */
-                for (int g = 0; g < groups; g++) {
-                    const uint64_t bits = pack_fifth_bits(u, g0 + g);
-                    memcpy(scales + 8 * g, &bits, 8);
-                }
+                pack_fifth_bits(u, g0, scales);
                 scales += 8 * groups;
             } else if (qtype == T_Q6_K) {  /* bits 4-5 of groups 4h..4h+3 in one byte */
                 for (int h = 0; h < groups / 4; h++) pack_top_bits(u, g0 + 4 * h, scales + 64 * h);
@@ -455,23 +476,27 @@ FORCE void dtile_q8_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
     }
 }
 
-/* Q5_0: q unsigned (0..31), offset 16 from xc; fifth bits from each group's 64-bit mask. */
+/* Q5_0: q unsigned (0..31), offset 16 from xc; group i's fifth bits are bit i of the plane's
+ * bytes, moved to bit 4 by a 16-bit shift (the bits a shift carries across bytes land
+ * outside bit 4, so the and drops them). */
 FORCE void dtile_q5_0(const uint8_t *src, int nb, int nh, const int8_t *x, const int32_t *xc,
                       const float *f1, __m256 *acc, const int T) {
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
     for (int s = 0; s < nb; s++, src += 352) {
         PREFETCH(src, 352);
         const int8_t *xs = x + 4 * (int64_t)(8 * s) * T;
         for (int h = 0; h < nh; h++) {
             __m256i g[8];
-            for (int i = 0; i < 4; i++) {
-                uint32_t m0, m1;
-                memcpy(&m0, src + 256 + 16 * i + 4 * h, 4);
-                memcpy(&m1, src + 256 + 16 * i + 8 + 4 * h, 4);
-                split_half(src + 64 * i, h, g + 2 * i);
-                g[2 * i] = _mm256_or_si256(g[2 * i], bits_to_0x10(m0));
-                g[2 * i + 1] = _mm256_or_si256(g[2 * i + 1], bits_to_0x10(m1));
-            }
+            for (int i = 0; i < 4; i++) split_half(src + 64 * i, h, g + 2 * i);
+            const __m256i plane = half_at(src + 256, h);
+            g[0] = _mm256_or_si256(g[0], _mm256_and_si256(_mm256_slli_epi16(plane, 4), bit4));
+            g[1] = _mm256_or_si256(g[1], _mm256_and_si256(_mm256_slli_epi16(plane, 3), bit4));
+            g[2] = _mm256_or_si256(g[2], _mm256_and_si256(_mm256_slli_epi16(plane, 2), bit4));
+            g[3] = _mm256_or_si256(g[3], _mm256_and_si256(_mm256_slli_epi16(plane, 1), bit4));
+            g[4] = _mm256_or_si256(g[4], _mm256_and_si256(plane, bit4));
+            g[5] = _mm256_or_si256(g[5], _mm256_and_si256(_mm256_srli_epi16(plane, 1), bit4));
+            g[6] = _mm256_or_si256(g[6], _mm256_and_si256(_mm256_srli_epi16(plane, 2), bit4));
+            g[7] = _mm256_or_si256(g[7], _mm256_and_si256(_mm256_srli_epi16(plane, 3), bit4));
             const __m256 sc = load_f16x8((const uint16_t *)(src + 320 + 16 * h));
             for (int t = 0; t < T; t++) {
                 __m256i dot = _mm256_set1_epi32(xc[s * T + t]);
@@ -789,9 +814,7 @@ static float packed_value(int qtype, const uint8_t *rec, int lane, int c) {
     const uint8_t byte = rec[64 * (g / 2) + at];
     int q = g % 2 ? byte >> 4 : byte & 0x0F;
     if (qtype == T_Q5_0) {
-        uint64_t bits;
-        memcpy(&bits, rec + 256 + 8 * g, 8);
-        q |= (int)((bits >> at) & 1) << 4;
+        q |= fifth_bit(rec, g, at) << 4;
         return _cvtsh_ss(((const uint16_t *)(rec + 320))[lane]) * (float)(q - 16);
     }
     if (qtype == T_Q4_K) {
