@@ -372,7 +372,10 @@ class LayerCache:
         if n <= self.plan.max_inplace:
             self._write(new_pos, k, v)
             keys, values = self._read(start)
-            key_pos = self.slot_pos.copy()
+            used = start + n  # until the layout wraps, position p sits in slot p and the
+            if used < len(self.slot_pos):  # slots past the newest are empty: not attended
+                keys, values = keys[:used], values[:used]
+            key_pos = self.slot_pos[:used].copy()
         else:  # the update would overwrite keys its own first queries need
             keys, values = self._read(start)
             old_pos = np.where(self.slot_pos < start, self.slot_pos, -1)
