@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <time.h>
 
 #define CHUNK_ROWS 16  /* rows per unit of work */
 
@@ -27,7 +28,17 @@ static inline void cpu_relax(void) {
  */
 
 #define MAX_HELPERS 63
-#define SPIN_ITERS 5000  /* ~0.2 ms of pause before sleeping */
+/* How long a helper spins for the next job before it sleeps. A decode step's ops are tens to
+ * hundreds of microseconds apart (RoPE, the cache, one-thread attention in between); a
+ * helper asleep by then is woken through the scheduler and joins its matmul late. Timed by
+ * the clock: a pause instruction's length differs several-fold between cores. */
+#define SPIN_NS 1000000
+
+static uint64_t monotonic_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
 
 /* One parallel job: run(ctx, r0, r1) over row chunks [r0, r1) of CHUNK_ROWS rows. */
 typedef void (*rows_fn)(const void *ctx, int r0, int r1);
@@ -73,9 +84,11 @@ static void *helper_main(void *arg) {
     uint64_t seen = atomic_load(&g_ctr) >> 40;
     for (;;) {
         uint64_t gen = seen;
-        for (int i = 0; i < SPIN_ITERS && gen == seen; i++) {
+        const uint64_t until = monotonic_ns() + SPIN_NS;
+        for (int i = 1; gen == seen; i++) {
             cpu_relax();
             gen = atomic_load(&g_ctr) >> 40;
+            if (i % 64 == 0 && monotonic_ns() > until) break;
         }
         if (gen == seen) {
             pthread_mutex_lock(&g_mu);
