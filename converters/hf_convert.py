@@ -108,6 +108,7 @@ def plan_conversion(src: str | os.PathLike, outtype: str = "f16",
     metadata = _metadata(folder, spec, kind, name, n_params)
     missing = []
     if imatrix is not None:
+        metadata.update(imatrix.provenance())  # as llama-quantize records it
         # the embedding is a lookup and the output matrix is not recorded by default
         missing = [t.name for t in tensors if t.qtype not in (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
                    and t.name not in ("token_embd.weight", "output.weight")

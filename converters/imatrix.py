@@ -29,6 +29,7 @@ class ImportanceMatrix:
     datasets: list[str] = field(default_factory=list)
     chunk_count: int = 0
     chunk_size: int = 0
+    source: str = ""  # the file it was read from, as given
 
     def add(self, name: str, x: np.ndarray) -> None:
         """Accumulate the activations (n_tokens, n_cols) that entered weight ``name``."""
@@ -40,6 +41,13 @@ class ImportanceMatrix:
         else:
             self.sums[name] = sq
             self.counts[name] = x.shape[0]
+
+    def provenance(self) -> dict[str, str | int]:
+        """The ``quantize.imatrix.*`` keys llama-quantize writes into a file it made with one."""
+        return {"quantize.imatrix.file": self.source,
+                "quantize.imatrix.dataset": self.datasets[0] if self.datasets else "",
+                "quantize.imatrix.entries_count": len(self.sums),
+                "quantize.imatrix.chunks_count": self.chunk_count}
 
     def weights(self, name: str) -> np.ndarray | None:
         """Mean squared activation per input column, or None where the weight was not seen."""
@@ -56,7 +64,8 @@ def read_imatrix(path: str | os.PathLike) -> ImportanceMatrix:
                          f"{g.metadata.get('general.type')!r}); make one with `edgellm imatrix`")
     out = ImportanceMatrix(datasets=list(g.metadata.get("imatrix.datasets", [])),
                            chunk_count=int(g.metadata.get("imatrix.chunk_count", 0)),
-                           chunk_size=int(g.metadata.get("imatrix.chunk_size", 0)))
+                           chunk_size=int(g.metadata.get("imatrix.chunk_size", 0)),
+                           source=os.fspath(path))
     for tname, t in g.tensors.items():
         if not tname.endswith(IN_SUM2):
             continue

@@ -368,6 +368,12 @@ def test_imatrix_from_our_runtime_round_trips_and_weights_the_search(folders, tm
     plain = plan_conversion(folder, "q4_0")
     weighted = plan_conversion(folder, "q4_0", imatrix=back)
     assert not weighted.imatrix_missing
+    # the file records which imatrix made it, under llama-quantize's keys
+    assert {k: v for k, v in weighted.metadata.items() if k.startswith("quantize.")} == {
+        "quantize.imatrix.file": str(tmp_path / "imatrix.gguf"),
+        "quantize.imatrix.dataset": "calibration text", "quantize.imatrix.entries_count": 14,
+        "quantize.imatrix.chunks_count": 3}
+    assert not any(k.startswith("quantize.") for k in plain.metadata)
     from edgellm.converters.hf_convert import converted_tensors
 
     changed = [a.name for (a, x), (_, y) in zip(converted_tensors(plain),
