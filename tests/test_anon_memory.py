@@ -80,3 +80,22 @@ def test_pinned_mmap_threshold_hands_back_plain_numpy_blocks():
     gc.collect()
     assert rss_kb() - before < 8 * 1024
     assert later.sum() == 1000
+
+
+def test_freeing_drops_the_attribute_names_the_type_cache_holds():
+    """CPython's type cache keeps a reference to each attribute name looked up on a type; a
+    name built during a model's life would outlive it and pin a 1 MiB pymalloc arena."""
+    import sys
+
+    from edgellm.api import release_interpreter_caches
+
+    class Weights:
+        pass
+
+    name = "".join(["attribute_built_", "at_run_time"])  # a new str, not an interned one
+    before = sys.getrefcount(name)
+    getattr(Weights, name, None)
+    if sys.getrefcount(name) == before:
+        pytest.skip("this Python's type cache keeps no reference to the name")
+    release_interpreter_caches()
+    assert sys.getrefcount(name) == before
