@@ -195,9 +195,7 @@ class Model:
         if engine is not None:
             engine.close()
         self.net = self.tokenizer = self.backend = None
-        gc.collect()  # the weights may sit in reference cycles (bound methods, partials)
-        release_interpreter_caches()
-        return_freed_memory()
+        release_freed_model()
 
     def __enter__(self) -> Model:
         return self
@@ -348,6 +346,15 @@ def _libc_function(name: str) -> Any:
         except (OSError, AttributeError, TypeError):  # not glibc
             _libc[name] = None
     return _libc[name]
+
+
+def release_freed_model() -> None:
+    """Once a model's last references are dropped: collect the cycles its weights may sit in
+    (bound methods, partials), clear the interpreter caches it left names in, and hand the
+    freed heap pages back."""
+    gc.collect()
+    release_interpreter_caches()
+    return_freed_memory()
 
 
 def release_interpreter_caches() -> None:

@@ -188,10 +188,7 @@ def bench_model(model: str, backend: str = "auto", threads: int | None = None,
     net, be = loaded.net, loaded.backend
     on_device = getattr(be, "device_memory", lambda: None)()  # after load: the weights
     described = getattr(be, "device_name", None)
-    # a folder's size is that of its weights as converted, as a file of them would be
-    size = (header.file_bytes if header.gguf_version
-            else sum(t.nbytes for t in tensors.values()))
-    common = dict(model=loaded.name, size=size,
+    common = dict(model=loaded.name, size=header.gguf_bytes,
                   params=sum(t.n_elements for t in tensors.values()),
                   quant=quant_name(loaded.metadata), backend=backend_label(be),
                   device=described() if described else device_name(),

@@ -18,7 +18,6 @@ a one-line message on the calling thread, never an unwinding into C.
 
 from __future__ import annotations
 
-import gc
 import json
 import threading
 from collections.abc import Callable
@@ -611,16 +610,6 @@ _requests = HandleTable(REQUEST_KIND)
 _here = threading.local()  # .running: the ModelEntry objects whose request this thread runs
 
 
-def release_after_free() -> None:
-    """Once a freed model's last reference is gone: collect its cycles, drop the attribute
-    names it left in CPython's type cache, hand the freed heap pages back (edgellm/api.py)."""
-    from edgellm.api import release_interpreter_caches, return_freed_memory
-
-    gc.collect()
-    release_interpreter_caches()
-    return_freed_memory()
-
-
 def _running_here() -> list[ModelEntry]:
     if not hasattr(_here, "running"):
         _here.running = []
@@ -705,7 +694,9 @@ def attach(ffi, lib) -> None:
         _models.remove(handle)
         entry_.close()
         del entry_  # the last reference: what the model held goes now, then the caches
-        release_after_free()
+        from edgellm.api import release_freed_model
+
+        release_freed_model()
         return OK
 
     @entry

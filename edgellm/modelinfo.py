@@ -37,6 +37,13 @@ class ModelHeader:
     gguf_version: int | None  # None for a folder
     source: str  # "gguf" or "hf folder as q8_0"
 
+    @property
+    def gguf_bytes(self) -> int:
+        """The model's size as a GGUF: the file's, or a folder's weights as converted."""
+        if self.gguf_version is not None:
+            return self.file_bytes
+        return sum(t.nbytes for t in self.tensors.values())
+
 
 def read_header(model: str | os.PathLike, quant: str = "q8_0") -> ModelHeader:
     """The header of a catalog model, ``.gguf`` path or Hugging Face folder (``quant``: the
@@ -117,10 +124,7 @@ def backend_memory(path: str | Path, backend: str, quant: str = "q8_0") -> dict[
 
     model = load(path, backend=backend, quant=quant)
     be = model.backend
-    if Path(path).is_dir():
-        size = sum(t.nbytes for t in read_header(path, quant).tensors.values())
-    else:
-        size = Path(model.path).stat().st_size
+    size = read_header(path, quant).gguf_bytes
     name = getattr(be, "device_name", None)
     out: dict[str, Any] = {"backend": be.name, "device": name() if name else "host"}
     memory = be.device_memory()

@@ -131,13 +131,18 @@ def _silu_mul_rows(gate, up, out):
             out[r, i] = g / (np.float32(1.0) + e) * up[r, i]
 
 
-def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """SwiGLU's silu(gate) * up for (..., d) f32 arrays, without numpy's temporaries."""
+def _glu(rows_kernel, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """rows_kernel(gate, up, out) over (..., d) f32 arrays viewed as rows."""
     g = np.ascontiguousarray(gate, dtype=np.float32).reshape(-1, gate.shape[-1])
     u = np.ascontiguousarray(up, dtype=np.float32).reshape(g.shape)
     out = np.empty_like(g)
-    _silu_mul_rows(g, u, out)
+    rows_kernel(g, u, out)
     return out.reshape(gate.shape)
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """SwiGLU's silu(gate) * up for (..., d) f32 arrays, without numpy's temporaries."""
+    return _glu(_silu_mul_rows, gate, up)
 
 
 @nb.njit(**_JIT)
@@ -156,8 +161,4 @@ def _gelu_tanh_mul_rows(gate, up, out):
 
 def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """GeGLU's gelu_tanh(gate) * up for (..., d) f32 arrays, without numpy's temporaries."""
-    g = np.ascontiguousarray(gate, dtype=np.float32).reshape(-1, gate.shape[-1])
-    u = np.ascontiguousarray(up, dtype=np.float32).reshape(g.shape)
-    out = np.empty_like(g)
-    _gelu_tanh_mul_rows(g, u, out)
-    return out.reshape(gate.shape)
+    return _glu(_gelu_tanh_mul_rows, gate, up)

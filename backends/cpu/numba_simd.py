@@ -444,16 +444,22 @@ def _work(ctl, gen):
         v = atomic_load(at + 8 * _CTR)
 
 
-@nb.njit(nogil=True, **_JIT)
-def _publish(ctl, job, xq, xd, xs, out):
-    """Write the job into ctl and open it (a new generation); returns the generation and
-    whether a helper sleeps (then the caller wakes it)."""
-    at = np.int64(ctl.ctypes.data)
+@nb.njit(inline="always", **_JIT)
+def _write_job(ctl, job, xq, xd, xs, out):
+    """The job's weight fields, activations and output into ctl (not yet opened)."""
     for i in range(WEIGHT_FIELDS):
         ctl[_JOB + i] = job[i]
     ctl[_ACT], ctl[_ACT + 1], ctl[_ACT + 2] = xq.ctypes.data, xd.ctypes.data, xs.ctypes.data
     ctl[_ACT + 3], ctl[_ACT + 4], ctl[_ACT + 5] = xq.strides[0], xd.strides[0], xs.strides[0]
     ctl[_OUT], ctl[_OUT_STRIDE], ctl[_TOKENS] = out.ctypes.data, out.strides[0], xq.shape[0]
+
+
+@nb.njit(nogil=True, **_JIT)
+def _publish(ctl, job, xq, xd, xs, out):
+    """Write the job into ctl and open it (a new generation); returns the generation and
+    whether a helper sleeps (then the caller wakes it)."""
+    at = np.int64(ctl.ctypes.data)
+    _write_job(ctl, job, xq, xd, xs, out)
     chunks = (job[1] + CHUNK_ROWS - 1) // CHUNK_ROWS
     atomic_store(at + 8 * _DONE, 0)
     gen = ((atomic_load(at + 8 * _CTR) >> 40) + 1) & 0xFFFFFF
@@ -491,11 +497,7 @@ def _helper_poll(ctl, seen, polls):
 @nb.njit(nogil=True, **_JIT)
 def _run_alone(ctl, job, xq, xd, xs, out):
     """The whole job on the calling thread (one thread, or too few rows to share)."""
-    for i in range(WEIGHT_FIELDS):
-        ctl[_JOB + i] = job[i]
-    ctl[_ACT], ctl[_ACT + 1], ctl[_ACT + 2] = xq.ctypes.data, xd.ctypes.data, xs.ctypes.data
-    ctl[_ACT + 3], ctl[_ACT + 4], ctl[_ACT + 5] = xq.strides[0], xd.strides[0], xs.strides[0]
-    ctl[_OUT], ctl[_OUT_STRIDE], ctl[_TOKENS] = out.ctypes.data, out.strides[0], xq.shape[0]
+    _write_job(ctl, job, xq, xd, xs, out)
     for c in range((job[1] + CHUNK_ROWS - 1) // CHUNK_ROWS):
         _run_chunk(ctl, c)
 
