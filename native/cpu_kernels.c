@@ -7,7 +7,7 @@
  *
  *     w = s * q + m   (q unsigned)   =>   sum(w * x) = s * xd * dot(q, xq) + m * xd * sum(xq)
  *
- * dot32 below is vpdpbusd (AVX-512 VNNI) or vpmaddubsw + vpmaddwd (AVX2). Block layouts follow
+ * dot32 below is vpdpbusd (AVX-512 VNNI, AVX-VNNI) or vpmaddubsw + vpmaddwd (AVX2). Block layouts follow
  * ggml-common.h. Built by native/cpu_kernels.py with -mavx2 (and -mavx512vnni where present);
  * never with AMX. Threads: a small pool of pthreads (below), no OpenMP.
  */
@@ -30,6 +30,10 @@ static inline float f16(const uint8_t *p) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 static inline __m256i dot32(__m256i u, __m256i s) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+#elif defined(__AVXVNNI__)  /* the VEX form of the same instruction (Alder Lake+, Zen 5) */
+static inline __m256i dot32(__m256i u, __m256i s) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 }
 #else
 static inline __m256i dot32(__m256i u, __m256i s) {
@@ -313,6 +317,8 @@ static dot_fn dot_for(int qtype) {
 static inline __m256i madd_acc(__m256i acc, __m256i p16, __m256i s16) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpwssd_epi32(acc, p16, s16);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, p16, s16);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, s16));
 #endif

@@ -410,6 +410,39 @@ static inline __m256i half_at(const uint8_t *p, int h) {
     return _mm256_loadu_si256((const __m256i *)(p + 32 * h));
 }
 
+#if defined(__AVXVNNI__)
+/* With AVX-VNNI (the VEX vpdpbusd of Intel's laptop chips since Alder Lake and AMD's since
+ * Zen 5) each group is one instruction into int32 lanes, as on AVX-512: no int16 pairs to
+ * bound, no vpmaddwd, and the sub-block scales multiply the group sums (vpmulld) instead of
+ * the pairs. The integers are the same exact sums, so the floats and the results are the
+ * AVX2 build's, bit for bit. */
+
+/* acc + bytes . token's 4 activations (x[0..3] broadcast), per int32 lane */
+static inline __m256i dpbusd_bcast8(__m256i acc, __m256i w, const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(v));
+}
+
+/* start + groups g[0..G) (G even) . token t's activations, in two chains: decode has one
+ * token, and a single chain would wait out every vpdpbusd's latency */
+FORCE __m256i group_sum(const __m256i *g, const int G, const int8_t *xs, const int T, int t,
+                        __m256i start) {
+    __m256i a = start, b = _mm256_setzero_si256();
+    for (int i = 0; i < G; i += 2) {
+        a = dpbusd_bcast8(a, g[i], xs + 4 * (i * T + t));
+        b = dpbusd_bcast8(b, g[i + 1], xs + 4 * ((i + 1) * T + t));
+    }
+    return _mm256_add_epi32(a, b);
+}
+
+/* a half's 8 lanes of a row of 16 scale bytes, widened to int32 */
+static inline __m256i lane_scales(const uint8_t *p, int h, int sign) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)(p + 8 * h));
+    return sign ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+}
+#endif
+
 /* bytes . token's 4 activations (x[0..3] broadcast) -> 16 int16 pair sums */
 static inline __m256i maddubs_bcast(__m256i w, const int8_t *x) {
     int32_t v;
@@ -448,13 +481,21 @@ static inline void store_half(float *out, unsigned keep8, __m256 v) {
  * 8960 x 1536); acc[h * GEMM_T + t] is half h's accumulator for token t. */
 
 /* Q8_0: 8 groups per block, sign trick, scale per block as the AVX-512 tile. */
-FORCE void dtile_q8_0(const uint8_t *src, int nb, int nh, const int8_t *x, const float *f1,
-                      __m256 *acc, const int T) {
+FORCE void dtile_q8_0(const uint8_t *src, int nb, int nh, const int8_t *x, const int32_t *xc,
+                      const float *f1, __m256 *acc, const int T) {
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    (void)xc, (void)flip, (void)ones;  /* the sign trick (AVX2) or the offset xc (AVX-VNNI) */
     for (int s = 0; s < nb; s++, src += 544) {
         PREFETCH(src, 544);
         for (int h = 0; h < nh; h++) {
             __m256i dot[GEMM_T];
+#if defined(__AVXVNNI__)  /* the records' q + 128 against x, less 128 sum(x) (xc) */
+            __m256i g[8];
+            for (int i = 0; i < 8; i++) g[i] = half_at(src + 64 * i, h);
+            for (int t = 0; t < T; t++)
+                dot[t] = group_sum(g, 8, x + 4 * (int64_t)(8 * s) * T, T, t,
+                                   _mm256_set1_epi32(xc[s * T + t]));
+#else
             for (int t = 0; t < T; t++) dot[t] = _mm256_setzero_si256();
             for (int i = 0; i < 8; i++) {
                 const __m256i q = _mm256_xor_si256(half_at(src + 64 * i, h), flip);  /* signed */
@@ -467,6 +508,7 @@ FORCE void dtile_q8_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
                         dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xs), ones));
                 }
             }
+#endif
             const __m256 sc = load_f16x8((const uint16_t *)(src + 512 + 16 * h));
             for (int t = 0; t < T; t++)
                 acc[h * GEMM_T + t] = _mm256_fmadd_ps(
@@ -482,6 +524,7 @@ FORCE void dtile_q8_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
 FORCE void dtile_q5_0(const uint8_t *src, int nb, int nh, const int8_t *x, const int32_t *xc,
                       const float *f1, __m256 *acc, const int T) {
     const __m256i ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
+    (void)ones;  /* AVX2's pairs only */
     for (int s = 0; s < nb; s++, src += 352) {
         PREFETCH(src, 352);
         const int8_t *xs = x + 4 * (int64_t)(8 * s) * T;
@@ -499,6 +542,9 @@ FORCE void dtile_q5_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
             g[7] = _mm256_or_si256(g[7], _mm256_and_si256(_mm256_srli_epi16(plane, 3), bit4));
             const __m256 sc = load_f16x8((const uint16_t *)(src + 320 + 16 * h));
             for (int t = 0; t < T; t++) {
+#if defined(__AVXVNNI__)
+                const __m256i dot = group_sum(g, 8, xs, T, t, _mm256_set1_epi32(xc[s * T + t]));
+#else
                 __m256i dot = _mm256_set1_epi32(xc[s * T + t]);
                 for (int k = 0; k < 8; k += 4) {  /* 4 groups of 5-bit products fit int16 */
                     __m256i p = maddubs_bcast(g[k], xs + 4 * (k * T + t));
@@ -506,6 +552,7 @@ FORCE void dtile_q5_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
                         p = _mm256_add_epi16(p, maddubs_bcast(g[i], xs + 4 * (i * T + t)));
                     dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
                 }
+#endif
                 acc[h * GEMM_T + t] = _mm256_fmadd_ps(
                     _mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc, _mm256_set1_ps(f1[s * T + t])),
                     acc[h * GEMM_T + t]);
@@ -528,6 +575,13 @@ FORCE void dtile_q4k(const uint8_t *src, int nsb, int nh, const int8_t *x, const
             for (int h = 0; h < nh; h++) {
                 __m256i g[8];
                 for (int i = 0; i < 4; i++) split_half(src + 64 * (4 * j + i), h, g + 2 * i);
+#if defined(__AVXVNNI__)
+                const __m256i sc = lane_scales(src + 2048 + 16 * j, h, 0);
+                for (int t = 0; t < T; t++)
+                    isum[h * GEMM_T + t] = _mm256_add_epi32(
+                        isum[h * GEMM_T + t],
+                        _mm256_mullo_epi32(group_sum(g, 8, xs, T, t, _mm256_setzero_si256()), sc));
+#else
                 const __m256i sc = lane_pairs(src + 2048 + 16 * j, src + 2048 + 16 * j, h, 0);
                 for (int t = 0; t < T; t++) {
                     __m256i p = maddubs_bcast(g[0], xs + 4 * t);
@@ -536,6 +590,7 @@ FORCE void dtile_q4k(const uint8_t *src, int nsb, int nh, const int8_t *x, const
                     isum[h * GEMM_T + t] = _mm256_add_epi32(isum[h * GEMM_T + t],
                                                             _mm256_madd_epi16(p, sc));
                 }
+#endif
             }
         }
         for (int h = 0; h < nh; h++) {
@@ -580,6 +635,13 @@ FORCE void dtile_q6k(const uint8_t *src, int nsb, int nh, const int8_t *x, const
                 g[1] = _mm256_or_si256(g[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
                 g[2] = _mm256_or_si256(g[2], _mm256_and_si256(hb, top));
                 g[3] = _mm256_or_si256(g[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+#if defined(__AVXVNNI__)
+                const __m256i sc = lane_scales(src + 3072 + 16 * j, h, 1);
+                for (int t = 0; t < T; t++)
+                    isum[h * GEMM_T + t] = _mm256_add_epi32(
+                        isum[h * GEMM_T + t],
+                        _mm256_mullo_epi32(group_sum(g, 4, xs, T, t, _mm256_setzero_si256()), sc));
+#else
                 const __m256i sc = lane_pairs(src + 3072 + 16 * j, src + 3072 + 16 * j, h, 1);
                 for (int t = 0; t < T; t++) {
                     const __m256i p0 = _mm256_add_epi16(maddubs_bcast(g[0], xs + 4 * t),
@@ -590,6 +652,7 @@ FORCE void dtile_q6k(const uint8_t *src, int nsb, int nh, const int8_t *x, const
                         isum[h * GEMM_T + t],
                         _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc)));
                 }
+#endif
             }
         }
         for (int h = 0; h < nh; h++) {
@@ -623,7 +686,7 @@ FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, c
     case T_Q4_K: dtile_q4k(src, cols / 256, nh, x, xp, f1, acc, T); break;
     case T_Q6_K: dtile_q6k(src, cols / 256, nh, x, xp, f1, acc, T); break;
     case T_Q5_0: dtile_q5_0(src, cols / 32, nh, x, xc, f1, acc, T); break;
-    default: dtile_q8_0(src, cols / 32, nh, x, f1, acc, T); break;
+    default: dtile_q8_0(src, cols / 32, nh, x, xc, f1, acc, T); break;
     }
     for (int h = 0; h < nh; h++)
         for (int t = 0; t < T; t++)

@@ -203,8 +203,9 @@ def test_activations_at_prefill_size(backend):
 
 
 def _c_kernel_variants():
-    """(id, CpuBackend) for each C kernel variant this CPU can run (AVX-512 VNNI, AVX2; the
-    NEON ones on ARM), with and without weights packed at load where the build packs them."""
+    """(id, CpuBackend) for each C kernel variant this CPU can run (AVX-512 VNNI, AVX2 with and
+    without AVX-VNNI; the NEON ones on ARM), with and without weights packed at load where the
+    build packs them."""
     if "cpu" not in available_backends():
         return []
     from edgellm.native import cpu_kernels
@@ -319,6 +320,28 @@ def test_packed_prefill_equals_decode(qtype):
     batch = b.matmul(x, w)
     alone = np.concatenate([b.matmul(x[i:i + 1], w) for i in range(37)])
     assert np.array_equal(batch.view(np.uint32), alone.view(np.uint32)), name
+
+
+@pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
+def test_packed_variants_agree_bit_for_bit(qtype):
+    """Every build that packs (AVX-512 VNNI, AVX2 with and without AVX-VNNI) sums the same
+    exact integers and does the same float steps, so a model gives the same tokens whichever
+    variant a machine picks: one token and a prefill-sized batch, bit for bit."""
+    variants = [(name, b) for name, b in _c_kernel_variants() if name.endswith("-packed")]
+    if len(variants) < 2:
+        pytest.skip("fewer than two packing builds run here")
+    tensor = random_tensor(qtype, 77, 512, seed=4)
+    x = np.random.default_rng(9).standard_normal((11, 512)).astype(np.float32)
+    x[5] *= 40.0
+    outs = {}
+    for name, b in variants:
+        w = b.prepare(tensor)
+        if getattr(w, "packed", None) is None:
+            pytest.skip(f"{qtype.name} is not packed")
+        outs[name] = np.concatenate([b.matmul(x, w), b.matmul(x[:1], w)]).view(np.uint32)
+    first, *rest = outs
+    for name in rest:
+        assert np.array_equal(outs[name], outs[first]), f"{name} differs from {first}"
 
 
 @pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
