@@ -344,6 +344,29 @@ def test_packed_variants_agree_bit_for_bit(qtype):
         assert np.array_equal(outs[name], outs[first]), f"{name} differs from {first}"
 
 
+@pytest.mark.parametrize("kernels", ["c", "numba"])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+def test_two_threads_share_many_chunks_exactly(kernels, qtype):
+    """A matrix of many row chunks on two threads: the pool's claims take several chunks at a
+    time (a share of those left), and every row is computed once, as on one thread, bit for
+    bit (decode and a speculative check's batch)."""
+    if "cpu" not in available_backends():
+        pytest.skip("no CPU backend")
+    one = get_backend("cpu", kernels=kernels, threads=1)
+    two = get_backend("cpu", kernels=kernels, threads=2)
+    if kernels == "c" and one.native is None:
+        pytest.skip("no C kernels here")
+    tensor = random_tensor(qtype, 16 * 300 + 5, 256, seed=2)  # 301 chunks, the last ragged
+    x = np.random.default_rng(4).standard_normal((3, 256)).astype(np.float32)
+    w1, w2 = one.prepare(tensor), two.prepare(tensor)
+    for n in (1, 3):
+        got, want = two.matmul(x[:n], w2), one.matmul(x[:n], w1)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
+    w = dequantize(tensor.data, qtype).reshape(tensor.shape)
+    ref = x @ w.T
+    assert np.all(np.abs(got - ref) <= int8_activation_bound(w, x) + 1e-4 * np.abs(ref))
+
+
 @pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
 def test_prefill_matmul_in_every_c_kernel_variant(qtype):
     """A prefill-sized batch in each C build: the AVX-512 one takes the GEMM (every type), the

@@ -5,9 +5,9 @@ waits for all of them. On a busy machine (a laptop's browser, another process on
 cores) a helper that is not scheduled holds every matmul up for a time slice: decode fell to
 1-5 tokens/s whenever one other process ran. Here the caller publishes a job and works through
 its chunks of 16 rows itself; helpers claim chunks with a compare-and-swap on one 64-bit word
-(generation | chunk count | next chunk), so a helper that wakes late finds the job done and
-nobody waits for it, only for chunks already claimed. Helpers spin briefly between jobs (decode
-issues them back to back), then sleep on an Event.
+(generation | chunk count | next chunk), a share of those left per claim, so a helper that
+wakes late finds the job done and nobody waits for it, only for chunks already claimed.
+Helpers spin briefly between jobs (decode issues them back to back), then sleep on an Event.
 
 Jobs carry raw addresses (the weights' planes, the int8 activations, the output), read by the
 vector kernels of ``numba_simd``, where the compiled side of the pool lives too (Numba's cache
@@ -24,8 +24,10 @@ import numpy as np
 from .numba_simd import (
     _CTL_WORDS,
     _CTR,
+    _PARTS,
     _SLEEPING,
     CHUNK_ROWS,
+    GUIDED_PARTS,
     KINDS,
     SPIN_POLLS,
     WEIGHT_FIELDS,
@@ -57,6 +59,7 @@ class MatvecPool:
     def __init__(self, threads: int):
         self.threads = max(1, int(threads))
         self._ctl = np.zeros(_CTL_WORDS + 8, dtype=np.int64)
+        self._ctl[_PARTS] = GUIDED_PARTS * self.threads
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._helpers: list[threading.Thread] = []
