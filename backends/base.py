@@ -12,6 +12,7 @@ dim, ``T`` cached positions visible to the new tokens.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,22 @@ class Backend(ABC):
 
         q (n, H, hd), k/v (T, KVH, hd), mask (n, T) bool (True = visible) -> (n, H, hd).
         """
+
+    def attention_batch(self, q: Array, parts: Sequence[tuple[Array, Array, np.ndarray]],
+                        scale: float, softcap: float = 0.0) -> Array:
+        """Attention for several sequences at once, each against its own keys.
+
+        q (N, H, hd) holds the sequences' rows one after another; ``parts`` is one
+        (k (T_j, KVH, hd), v, mask (n_j, T_j)) per sequence, its mask's rows giving how many
+        of q's rows are its. -> (N, H, hd). Each row's result is what ``attention`` gives it
+        (backends override this to do the batch in one call)."""
+        out = self.zeros(tuple(q.shape), "float32")  # (N, H, hd)
+        row = 0
+        for k, v, mask in parts:
+            n = mask.shape[0]
+            out[row:row + n] = self.attention(q[row:row + n], k, v, mask, scale, softcap)
+            row += n
+        return out
 
     @abstractmethod
     def silu_mul(self, gate: Array, up: Array) -> Array:

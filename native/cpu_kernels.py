@@ -26,8 +26,9 @@ from edgellm.atomic import fsync_dir
 #: uses the mat-vec file's helpers, the packed weights the GEMM's tiles)
 SOURCES: dict[str, tuple[Path, ...]] = {
     arch: tuple(Path(__file__).with_name(name) for name in names)
-    for arch, names in (("x86_64", ("cpu_pool.c", "cpu_kernels.c", "cpu_gemm.c", "cpu_packed.c")),
-                        ("aarch64", ("cpu_pool.c", "cpu_neon.c")))}
+    for arch, names in (("x86_64", ("cpu_pool.c", "cpu_kernels.c", "cpu_gemm.c", "cpu_packed.c",
+                                    "cpu_attention_batch.c")),
+                        ("aarch64", ("cpu_pool.c", "cpu_neon.c", "cpu_attention_batch.c")))}
 
 CDEF = """
 int ek_supports(int qtype);
@@ -55,6 +56,10 @@ void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n,
 int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,
                      int n, int n_heads, int n_kv, int hd, int T, float scale, float softcap,
                      float *out, int nthreads);
+int ek_attention_f16_batch(int count, const float *q, const uint16_t *const *k,
+                           const uint16_t *const *v, const uint8_t *const *mask, const int *n,
+                           const int *T, int n_heads, int n_kv, int hd, float scale,
+                           float softcap, float *out, int nthreads);
 """
 
 #: instruction-set variant -> (cpuinfo flags it needs, compiler flags)

@@ -175,6 +175,31 @@ def test_cpu_attention_is_the_same_alone_or_in_a_batch():
             np.testing.assert_array_equal(part, whole[lo:hi], err_msg=name)
 
 
+def test_attention_batch_is_each_sequence_alone(backend):
+    """Several sequences' attention in one call (a batched decode step, a prompt chunk beside
+    decode tokens), each against its own keys and mask: every row as ``attention`` gives its
+    sequence alone, bit for bit, and as the reference."""
+    rng = np.random.default_rng(8)
+    heads, kv_heads, hd = 8, 2, 64
+    shapes = [(1, 37), (5, 90), (1, 3), (20, 20)]  # (rows, keys) per sequence
+    q = rng.standard_normal((sum(n for n, _ in shapes), heads, hd)).astype(np.float32)
+    parts, row = [], 0
+    for n, T in shapes:
+        k = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
+        v = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
+        qpos = np.arange(T - n, T)[:, None]
+        parts.append((k, v, np.arange(T)[None, :] <= qpos))  # causal (n, T)
+    dev = [(backend.asarray(k), backend.asarray(v), m) for k, v, m in parts]
+    got = backend.to_numpy(backend.attention_batch(backend.asarray(q), dev, hd ** -0.5))
+    for (n, _), (k, v, m), (dk, dv, _) in zip(shapes, parts, dev, strict=True):
+        alone = backend.to_numpy(backend.attention(backend.asarray(q[row:row + n]), dk, dv, m,
+                                                   hd ** -0.5))
+        np.testing.assert_array_equal(got[row:row + n], alone)
+        want = REF.attention(q[row:row + n], k, v, m, hd ** -0.5, 0.0)
+        np.testing.assert_allclose(got[row:row + n], want, rtol=1e-3, atol=1e-3)
+        row += n
+
+
 def test_activations_and_softcap(backend):
     rng = np.random.default_rng(0)
     g, u = (rng.standard_normal((3, 100)).astype(np.float32) * 3 for _ in range(2))

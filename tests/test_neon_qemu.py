@@ -360,7 +360,8 @@ def test_neon_variants_are_declared():
     """The loader knows the NEON builds, best first, plain NEON last (every aarch64 core)."""
     assert NEON_VARIANTS == ["neon_i8mm", "neon_dotprod", "neon"]
     assert all(cpu_kernels.variant_arch(v) == "x86_64" for v in ("avx2", "avx512vnni"))
-    assert [p.name for p in cpu_kernels.SOURCES["aarch64"]] == ["cpu_pool.c", "cpu_neon.c"]
+    assert [p.name for p in cpu_kernels.SOURCES["aarch64"]] == ["cpu_pool.c", "cpu_neon.c",
+                                                                "cpu_attention_batch.c"]
 
 
 def test_activation_rounding_is_x86s(neon_results):
@@ -447,7 +448,8 @@ def test_c_api_matches_cdef(neon_results, tmp_path):
     assert len(names) >= 13
     src = tmp_path / "api.c"
     table = ", ".join(f"(void *){name}" for name in names)
-    src.write_text('#include "cpu_pool.c"\n#include "cpu_neon.c"\n' + cpu_kernels.CDEF
+    includes = "".join(f'#include "{p.name}"\n' for p in cpu_kernels.SOURCES["aarch64"])
+    src.write_text(includes + cpu_kernels.CDEF
                    + f"\nint main(void) {{\n    void *fns[] = {{{table}}};\n"
                    + "    return fns[0] == 0;\n}\n")
     done = subprocess.run([CROSS_CC, "-O0", "-pthread", "-static", "-Werror", "-I", str(NATIVE),

@@ -249,13 +249,11 @@ class Model:
         B, a = self.backend, self.args
         n = x.shape[0]
         q, k, v = self.project_qkv(i, w, x, positions)  # (N, H, hd), (N, KVH, hd) x2
-        out = B.zeros((n, a.n_heads, a.head_dim), "float32")  # (N, H, hd)
-        for j, layer_cache in enumerate(layers):
-            rows = slice(int(bounds[j]), int(bounds[j + 1]))
-            keys, values, mask = layer_cache.update_and_fetch(k[rows], v[rows])
-            out[rows] = B.attention(q[rows], keys, values, mask, self.attention_scale(),
-                                    a.attn_logit_softcap)
-        return B.matmul(out.reshape(n, a.n_heads * a.head_dim), w.wo)
+        parts = [layer_cache.update_and_fetch(k[bounds[j]:bounds[j + 1]],
+                                              v[bounds[j]:bounds[j + 1]])
+                 for j, layer_cache in enumerate(layers)]  # (keys, values, mask) each
+        out = B.attention_batch(q, parts, self.attention_scale(), a.attn_logit_softcap)
+        return B.matmul(out.reshape(n, a.n_heads * a.head_dim), w.wo)  # (N, H, hd) -> (N, d)
 
     def block_forward(self, i: int, block: Block, x, positions: np.ndarray,
                       layer_cache: LayerCache):

@@ -27,6 +27,7 @@
  */
 #include "cpu_pool.c"
 #include "cpu_neon.c"
+#include "cpu_attention_batch.c"  /* compiled with -Werror on each variant */
 
 #include <stdio.h>
 

@@ -1,0 +1,58 @@
+/* Attention for a batch of sequences in one job, each query row against its own sequence's
+ * cache (portable C: compiled after cpu_kernels.c or cpu_neon.c, whose units it runs).
+ *
+ * Why: a batched decode step has one new token per sequence, each against its own keys. One
+ * ek_attention_f16 call per sequence per layer is 8 streams x 24 layers = 192 calls of
+ * ~20 us a step, each too small to wake a second thread. Here every sequence's units (a KV
+ * head x a block of 16 of its tokens) form one job the pool shares out. Each unit is computed
+ * exactly as ek_attention_f16 computes it, so a sequence's output is the same bits alone or
+ * in any batch. */
+
+typedef struct {
+    attn_units_t *seq;  /* (count,) one sequence's job each */
+    const int *first;   /* (count + 1,) each sequence's first unit in the batch */
+} attn_batch_t;
+
+static void attn_batch_units(const void *ctx, int r0, int r1) {
+    const attn_batch_t *b = (const attn_batch_t *)ctx;
+    const int unit = r0 / CHUNK_ROWS;
+    int s = 0;
+    while (unit >= b->first[s + 1]) s++;
+    attn_units(&b->seq[s], (unit - b->first[s]) * CHUNK_ROWS, r1);
+}
+
+/* q and out (sum n, n_heads, hd): the sequences' rows one after another; sequence s has n[s]
+ * rows, keys and values k[s], v[s] (T[s], n_kv, hd) f16 and mask[s] (n[s], T[s]).
+ * Returns 0, -1 without memory, -2 for a head layout (or an empty sequence) it does not take. */
+int ek_attention_f16_batch(int count, const float *q, const uint16_t *const *k,
+                           const uint16_t *const *v, const uint8_t *const *mask, const int *n,
+                           const int *T, int n_heads, int n_kv, int hd, float scale,
+                           float softcap, float *out, int nthreads) {
+    if (hd % 8 || n_kv < 1 || n_heads % n_kv || count < 1) return -2;
+    for (int s = 0; s < count; s++)
+        if (n[s] < 1) return -2;
+    attn_units_t *seq = malloc(sizeof(attn_units_t) * (size_t)count);
+    int *first = malloc(sizeof(int) * ((size_t)count + 1));
+    if (!seq || !first) {
+        free(seq);
+        free(first);
+        return -1;
+    }
+    int64_t row = 0;
+    first[0] = 0;
+    for (int s = 0; s < count; s++) {
+        const int64_t at = row * n_heads * hd;
+        const attn_job_t a = {q + at, k[s], v[s], mask[s], n_heads, n_kv, hd, T[s], scale,
+                              softcap, out + at, 0};
+        seq[s] = (attn_units_t){a, n[s], (n[s] + ATTN_QBLOCK - 1) / ATTN_QBLOCK};
+        first[s + 1] = first[s] + seq[s].nblocks * n_kv;
+        row += n[s];
+    }
+    const attn_batch_t b = {seq, first};
+    parallel_rows(attn_batch_units, &b, first[count] * CHUNK_ROWS, nthreads);
+    int failed = 0;
+    for (int s = 0; s < count; s++) failed |= seq[s].a.failed;
+    free(seq);
+    free(first);
+    return failed ? -1 : 0;
+}
