@@ -365,6 +365,8 @@ class LayerCache:
         """
         n = k.shape[0]
         start = self.offset
+        if n == 1 and start < self.plan.slots and not self.plan.keep and self.store.in_place:
+            return self._append_one(k, v, start)
         new_pos = np.arange(start, start + n)
         if not self.plan.is_ring and start + n > self.plan.slots:
             raise ContextOverflow(f"context full: {start} + {n} tokens exceed the layer's "
@@ -387,6 +389,21 @@ class LayerCache:
         if self._needs_sinks_per_query(start, n):
             keys, values, mask = self._with_sinks_per_query(keys, values, mask, key_pos, new_pos)
         return keys, values, mask
+
+    def _append_one(self, k: Any, v: Any, start: int) -> tuple[Any, Any, np.ndarray]:
+        """update_and_fetch for decode's one token before the layout wraps (no sinks): it goes
+        to slot ``start``, slots [0, start] hold positions 0..start, and the mask only cuts
+        what the window (or a rotating budget) hides. The general path's index arrays and
+        (n, T) comparisons cost ~10 us a layer, a batched step's largest Python cost."""
+        p = self.plan
+        keys, values = self.store.read()
+        keys[start], values[start] = k[0], v[0]
+        self.slot_pos[start] = start
+        self.offset = used = start + 1
+        hidden = max(start + 1 - p.window if p.window else 0, start + 1 - p.span if p.span else 0)
+        mask = np.ones((1, used), dtype=bool)  # (1, T): query at start, keys 0..start
+        mask[0, :max(hidden, 0)] = False
+        return keys[:used], values[:used], mask
 
     def _needs_sinks_per_query(self, start: int, n: int) -> bool:
         """Do the queries of this update see the sinks at different distances (wrapped)?"""
