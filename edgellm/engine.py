@@ -67,6 +67,9 @@ DEFAULT_MAX_SEQS = 8
 #: slots at most, whatever the budget (a step's tokens are bounded by the forward pass)
 MAX_SLOTS = 256
 DEFAULT_MAX_QUEUE = 64
+#: quiet seconds after the last step before the heaps are trimmed (malloc_trim): long enough
+#: for the server to finish and free its last responses, short next to a person's pause
+IDLE_TRIM_SECONDS = 0.5
 
 
 class EngineError(Exception):
@@ -318,7 +321,14 @@ class Engine:
         was_busy = False
         while True:
             if was_busy and not self._inbox and not sched.has_work():
-                return_freed_memory()  # going idle: hand the freed heap pages back, once
+                # going idle: once quiet for a moment, hand the freed heap pages back (every
+                # thread's: the server frees its last responses after our last step)
+                with self._lock:
+                    if not self._inbox:
+                        self._wakeup.wait(IDLE_TRIM_SECONDS)
+                    quiet = not self._closed and not self._inbox
+                if quiet:
+                    return_freed_memory()  # outside the lock: submit() never waits on it
                 was_busy = False
             with self._lock:
                 while not self._closed and not self._inbox and not sched.has_work():
