@@ -436,6 +436,15 @@ FORCE __m256i group_sum(const __m256i *g, const int G, const int8_t *xs, const i
     return _mm256_add_epi32(a, b);
 }
 
+/* isum[t] += sc * (groups g[0..G) . token t's activations) for the T tokens: one K-quant
+ * sub-block of G groups, each lane times its row's sub-block scale */
+FORCE void add_scaled_sums(__m256i *isum, const __m256i *g, const int G, const int8_t *xs,
+                           const int T, __m256i sc) {
+    for (int t = 0; t < T; t++)
+        isum[t] = _mm256_add_epi32(
+            isum[t], _mm256_mullo_epi32(group_sum(g, G, xs, T, t, _mm256_setzero_si256()), sc));
+}
+
 /* a half's 8 lanes of a row of 16 scale bytes, widened to int32 */
 static inline __m256i lane_scales(const uint8_t *p, int h, int sign) {
     const __m128i v = _mm_loadl_epi64((const __m128i *)(p + 8 * h));
@@ -576,11 +585,8 @@ FORCE void dtile_q4k(const uint8_t *src, int nsb, int nh, const int8_t *x, const
                 __m256i g[8];
                 for (int i = 0; i < 4; i++) split_half(src + 64 * (4 * j + i), h, g + 2 * i);
 #if defined(__AVXVNNI__)
-                const __m256i sc = lane_scales(src + 2048 + 16 * j, h, 0);
-                for (int t = 0; t < T; t++)
-                    isum[h * GEMM_T + t] = _mm256_add_epi32(
-                        isum[h * GEMM_T + t],
-                        _mm256_mullo_epi32(group_sum(g, 8, xs, T, t, _mm256_setzero_si256()), sc));
+                add_scaled_sums(isum + h * GEMM_T, g, 8, xs, T,
+                                lane_scales(src + 2048 + 16 * j, h, 0));
 #else
                 const __m256i sc = lane_pairs(src + 2048 + 16 * j, src + 2048 + 16 * j, h, 0);
                 for (int t = 0; t < T; t++) {
@@ -636,11 +642,8 @@ FORCE void dtile_q6k(const uint8_t *src, int nsb, int nh, const int8_t *x, const
                 g[2] = _mm256_or_si256(g[2], _mm256_and_si256(hb, top));
                 g[3] = _mm256_or_si256(g[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
 #if defined(__AVXVNNI__)
-                const __m256i sc = lane_scales(src + 3072 + 16 * j, h, 1);
-                for (int t = 0; t < T; t++)
-                    isum[h * GEMM_T + t] = _mm256_add_epi32(
-                        isum[h * GEMM_T + t],
-                        _mm256_mullo_epi32(group_sum(g, 4, xs, T, t, _mm256_setzero_si256()), sc));
+                add_scaled_sums(isum + h * GEMM_T, g, 4, xs, T,
+                                lane_scales(src + 3072 + 16 * j, h, 1));
 #else
                 const __m256i sc = lane_pairs(src + 3072 + 16 * j, src + 3072 + 16 * j, h, 1);
                 for (int t = 0; t < T; t++) {
