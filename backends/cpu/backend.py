@@ -130,6 +130,30 @@ def release_file_pages(view: np.ndarray) -> None:
         base.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
+#: what one read of a file mapping can bring back resident: the kernel maps a whole large
+#: page-cache folio (2 MB on this VM) around the page it faults in
+FILE_FOLIO_BYTES = 2 << 20
+
+
+def release_file_rows(table: np.ndarray, ids: np.ndarray) -> None:
+    """Drop the resident file pages around rows ``ids`` of a read-only file mapping (each
+    row's whole folio-sized block), after they were read. An embedding table read in place
+    otherwise stays resident block by block as new token ids arrive: the 0.5B's 145 MB
+    table added 16 MB to a server's RSS over 200 requests, up to all of it in time."""
+    base = table
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    if not isinstance(base, mmap.mmap) or not hasattr(base, "madvise") or not len(ids):
+        return
+    start = table.ctypes.data - np.frombuffer(base, dtype=np.uint8).ctypes.data
+    offsets = start + np.asarray(ids, dtype=np.int64) * table.strides[0]
+    for block in np.unique(offsets // FILE_FOLIO_BYTES):
+        first = int(block) * FILE_FOLIO_BYTES
+        base.madvise(mmap.MADV_DONTNEED, first, min(FILE_FOLIO_BYTES, len(base) - first))
+
+
 def _copy_out_of_file(tensor: QTensor) -> np.ndarray:
     """A small tensor as f32 in anonymous memory. An F32 tensor's values are a view into the
     file's mapping, and every read of such a view (a norm weight, once per layer per step)
@@ -292,7 +316,9 @@ class CpuBackend(NumpyBackend):
                 raise IndexError(f"token id out of range 0..{table.rows - 1}")
             return out
         if self.native is not None:  # gguf-py's numpy dequantizer: exact, and no Numba
-            return dequantize(table.data[ids], table.qtype)  # (n, d)
+            rows = dequantize(table.data[ids], table.qtype)  # (n, d)
+            release_file_rows(table.data, ids)
+            return rows
         out = np.empty((len(ids), table.cols), dtype=np.float32)  # (n, d)
         if table.planes is not None:  # a tied output, repacked (the file's pages let go)
             if len(ids) and (ids.min() < 0 or ids.max() >= table.rows):
