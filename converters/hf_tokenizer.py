@@ -133,6 +133,9 @@ def tokenizer_metadata(folder: HFFolder, vocab_size: int) -> dict[str, Any]:
         model = data.get("model", {})
         steps = pre_tokenizer_signature(data.get("pre_tokenizer"))
         if model.get("type") == "BPE" and any(step[0] == "bytelevel" for step in steps):
+            if not isinstance(model.get("vocab"), dict) or not model["vocab"]:
+                raise ValueError(f"{path / 'tokenizer.json'}: a byte-level BPE model without "
+                                 "its vocabulary (model.vocab); re-download the model folder")
             meta, ids = _byte_level_bpe(data, vocab_size)
         elif (path / "tokenizer.model").is_file():
             meta, ids = _sentencepiece(folder, vocab_size)

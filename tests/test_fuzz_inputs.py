@@ -8,7 +8,7 @@ import json
 import struct
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from edgellm.chat import ChatSession
@@ -187,6 +187,9 @@ TOKENIZER_JSON = st.fixed_dictionaries(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(data=TOKENIZER_JSON | JSON, vocab_size=st.integers(1, 64))
+@example(data={"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                                 "trim_offsets": True, "use_regex": True},
+               "model": {"type": "BPE"}}, vocab_size=1)  # no vocab: was a KeyError
 def test_tokenizer_json(tmp_path, data, vocab_size):
     hf_folder = pytest.importorskip("edgellm.converters.hf_folder")
     hf_tokenizer = pytest.importorskip("edgellm.converters.hf_tokenizer")
