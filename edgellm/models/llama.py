@@ -249,9 +249,9 @@ class Model:
         B, a = self.backend, self.args
         n = x.shape[0]
         q, k, v = self.project_qkv(i, w, x, positions)  # (N, H, hd), (N, KVH, hd) x2
-        parts = [layer_cache.update_and_fetch(k[bounds[j]:bounds[j + 1]],
-                                              v[bounds[j]:bounds[j + 1]])
-                 for j, layer_cache in enumerate(layers)]  # (keys, values, mask) each
+        rows = [slice(int(bounds[j]), int(bounds[j + 1])) for j in range(len(layers))]
+        parts = [layer_cache.update_and_fetch(k[r], v[r])  # (keys, values, mask) each
+                 for r, layer_cache in zip(rows, layers, strict=True)]
         out = B.attention_batch(q, parts, self.attention_scale(), a.attn_logit_softcap)
         return B.matmul(out.reshape(n, a.n_heads * a.head_dim), w.wo)  # (N, H, hd) -> (N, d)
 
