@@ -400,9 +400,9 @@ class LayerCache:
         keys[start], values[start] = k[0], v[0]
         self.slot_pos[start] = start
         self.offset = used = start + 1
-        hidden = max(start + 1 - p.window if p.window else 0, start + 1 - p.span if p.span else 0)
+        hidden = max([0] + [start + 1 - limit for limit in (p.window, p.span) if limit])
         mask = np.ones((1, used), dtype=bool)  # (1, T): query at start, keys 0..start
-        mask[0, :max(hidden, 0)] = False
+        mask[0, :hidden] = False
         return keys[:used], values[:used], mask
 
     def _needs_sinks_per_query(self, start: int, n: int) -> bool:

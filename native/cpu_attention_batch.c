@@ -1,5 +1,6 @@
-/* Attention for a batch of sequences in one job, each query row against its own sequence's
- * cache (portable C: compiled after cpu_kernels.c or cpu_neon.c, whose units it runs).
+/* The attention entry points: a batch of sequences in one job, each query row against its own
+ * sequence's cache, and one sequence as its case (portable C: compiled after cpu_kernels.c or
+ * cpu_neon.c, whose units it runs).
  *
  * Why: a batched decode step has one new token per sequence, each against its own keys. One
  * ek_attention_f16 call per sequence per layer is 8 streams x 24 layers = 192 calls of
@@ -55,4 +56,13 @@ int ek_attention_f16_batch(int count, const float *q, const uint16_t *const *k,
     free(seq);
     free(first);
     return failed ? -1 : 0;
+}
+
+/* One sequence: q and out (n, n_heads, hd), k and v (T, n_kv, hd) f16, mask (n, T).
+ * Returns 0, -1 without memory, -2 for a head layout it does not take. */
+int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,
+                     int n, int n_heads, int n_kv, int hd, int T, float scale, float softcap,
+                     float *out, int nthreads) {
+    return ek_attention_f16_batch(1, q, &k, &v, &mask, &n, &T, n_heads, n_kv, hd, scale,
+                                  softcap, out, nthreads);
 }

@@ -7,9 +7,9 @@
  *
  *     w = s * q + m   (q unsigned)   =>   sum(w * x) = s * xd * dot(q, xq) + m * xd * sum(xq)
  *
- * dot32 below is vpdpbusd (AVX-512 VNNI, AVX-VNNI) or vpmaddubsw + vpmaddwd (AVX2). Block layouts follow
- * ggml-common.h. Built by native/cpu_kernels.py with -mavx2 (and -mavx512vnni where present);
- * never with AMX. Threads: a small pool of pthreads (below), no OpenMP.
+ * dot32 below is vpdpbusd (AVX-512 VNNI, AVX-VNNI) or vpmaddubsw + vpmaddwd (AVX2). Block
+ * layouts follow ggml-common.h. Built by native/cpu_kernels.py with -mavx2 (and -mavx512vnni
+ * or -mavxvnni where present); never with AMX. Threads: the pool of cpu_pool.c, no OpenMP.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -31,7 +31,7 @@ static inline float f16(const uint8_t *p) {
 static inline __m256i dot32(__m256i u, __m256i s) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 }
-#elif defined(__AVXVNNI__)  /* the VEX form of the same instruction (Alder Lake+, Zen 5) */
+#elif defined(__AVXVNNI__)  /* the VEX form of the same instruction (Alder Lake+, Zen 4+) */
 static inline __m256i dot32(__m256i u, __m256i s) {
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 }
@@ -1157,16 +1157,5 @@ static void attn_units(const void *ctx, int r0, int r1) {
     }
     attn_unit(p, block * ATTN_QBLOCK, unit % n_kv, work);
     free(work);
-}
-
-/* Returns 0, -1 without memory, -2 for a head layout it does not take. */
-int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,
-                     int n, int n_heads, int n_kv, int hd, int T, float scale, float softcap,
-                     float *out, int nthreads) {
-    if (hd % 8 || n_kv < 1 || n_heads % n_kv || n < 1) return -2;
-    attn_units_t p = {{q, k, v, mask, n_heads, n_kv, hd, T, scale, softcap, out, 0}, n,
-                       (n + ATTN_QBLOCK - 1) / ATTN_QBLOCK};
-    parallel_rows(attn_units, &p, p.nblocks * n_kv * CHUNK_ROWS, nthreads);
-    return p.a.failed ? -1 : 0;
 }
 

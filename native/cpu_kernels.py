@@ -67,8 +67,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], list[str]]] = {
     "avx512vnni": (("avx2", "fma", "f16c", "avx512bw", "avx512vl", "avx512_vnni"),
                    ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                     "-mavx512vnni"]),
-    # AVX2 with the VEX-encoded vpdpbusd (Intel since Alder Lake, AMD since Zen 5; Zen 4 has it
-    # too, beside AVX-512)
+    # AVX2 with the VEX-encoded vpdpbusd (Intel since Alder Lake, AMD since Zen 4)
     "avx2vnni": (("avx2", "fma", "f16c", "avx_vnni"), ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
     # aarch64 (/proc/cpuinfo "Features"): smmla with i8mm (Apple M2+, Snapdragon X, Graviton 3),

@@ -1430,14 +1430,3 @@ static void attn_units(const void *ctx, int r0, int r1) {
     attn_unit(p, block * ATTN_QBLOCK, unit % n_kv, work);
     free(work);
 }
-
-/* Returns 0, -1 without memory, -2 for a head layout it does not take. */
-int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,
-                     int n, int n_heads, int n_kv, int hd, int T, float scale, float softcap,
-                     float *out, int nthreads) {
-    if (hd % 8 || n_kv < 1 || n_heads % n_kv || n < 1) return -2;
-    attn_units_t p = {{q, k, v, mask, n_heads, n_kv, hd, T, scale, softcap, out, 0}, n,
-                      (n + ATTN_QBLOCK - 1) / ATTN_QBLOCK};
-    parallel_rows(attn_units, &p, p.nblocks * n_kv * CHUNK_ROWS, nthreads);
-    return p.a.failed ? -1 : 0;
-}

@@ -410,18 +410,23 @@ static inline __m256i half_at(const uint8_t *p, int h) {
     return _mm256_loadu_si256((const __m256i *)(p + 32 * h));
 }
 
+/* a token's 4 activations x[0..3] in every int32 lane */
+static inline __m256i bcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
 #if defined(__AVXVNNI__)
 /* With AVX-VNNI (the VEX vpdpbusd of Intel's laptop chips since Alder Lake and AMD's since
- * Zen 5) each group is one instruction into int32 lanes, as on AVX-512: no int16 pairs to
+ * Zen 4) each group is one instruction into int32 lanes, as on AVX-512: no int16 pairs to
  * bound, no vpmaddwd, and the sub-block scales multiply the group sums (vpmulld) instead of
  * the pairs. The integers are the same exact sums, so the floats and the results are the
  * AVX2 build's, bit for bit. */
 
 /* acc + bytes . token's 4 activations (x[0..3] broadcast), per int32 lane */
 static inline __m256i dpbusd_bcast8(__m256i acc, __m256i w, const int8_t *x) {
-    int32_t v;
-    memcpy(&v, x, 4);
-    return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(v));
+    return _mm256_dpbusd_avx_epi32(acc, w, bcast4(x));
 }
 
 /* start + groups g[0..G) (G even) . token t's activations, in two chains: decode has one
@@ -454,9 +459,7 @@ static inline __m256i lane_scales(const uint8_t *p, int h, int sign) {
 
 /* bytes . token's 4 activations (x[0..3] broadcast) -> 16 int16 pair sums */
 static inline __m256i maddubs_bcast(__m256i w, const int8_t *x) {
-    int32_t v;
-    memcpy(&v, x, 4);
-    return _mm256_maddubs_epi16(w, _mm256_set1_epi32(v));
+    return _mm256_maddubs_epi16(w, bcast4(x));
 }
 
 /* the two column groups of a nibble vector's half */
@@ -492,8 +495,10 @@ static inline void store_half(float *out, unsigned keep8, __m256 v) {
 /* Q8_0: 8 groups per block, sign trick, scale per block as the AVX-512 tile. */
 FORCE void dtile_q8_0(const uint8_t *src, int nb, int nh, const int8_t *x, const int32_t *xc,
                       const float *f1, __m256 *acc, const int T) {
+#if !defined(__AVXVNNI__)
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    (void)xc, (void)flip, (void)ones;  /* the sign trick (AVX2) or the offset xc (AVX-VNNI) */
+    (void)xc;  /* the sign trick needs no offset */
+#endif
     for (int s = 0; s < nb; s++, src += 544) {
         PREFETCH(src, 544);
         for (int h = 0; h < nh; h++) {
@@ -510,9 +515,8 @@ FORCE void dtile_q8_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
                 const __m256i q = _mm256_xor_si256(half_at(src + 64 * i, h), flip);  /* signed */
                 const __m256i qa = _mm256_abs_epi8(q);
                 for (int t = 0; t < T; t++) {
-                    int32_t v;
-                    memcpy(&v, x + 4 * ((int64_t)(8 * s + i) * T + t), 4);
-                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(v), q);
+                    const __m256i xs =
+                        _mm256_sign_epi8(bcast4(x + 4 * ((int64_t)(8 * s + i) * T + t)), q);
                     dot[t] = _mm256_add_epi32(
                         dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xs), ones));
                 }
@@ -532,8 +536,7 @@ FORCE void dtile_q8_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
  * outside bit 4, so the and drops them). */
 FORCE void dtile_q5_0(const uint8_t *src, int nb, int nh, const int8_t *x, const int32_t *xc,
                       const float *f1, __m256 *acc, const int T) {
-    const __m256i ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
-    (void)ones;  /* AVX2's pairs only */
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
     for (int s = 0; s < nb; s++, src += 352) {
         PREFETCH(src, 352);
         const int8_t *xs = x + 4 * (int64_t)(8 * s) * T;
@@ -554,6 +557,7 @@ FORCE void dtile_q5_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
 #if defined(__AVXVNNI__)
                 const __m256i dot = group_sum(g, 8, xs, T, t, _mm256_set1_epi32(xc[s * T + t]));
 #else
+                const __m256i ones = _mm256_set1_epi16(1);
                 __m256i dot = _mm256_set1_epi32(xc[s * T + t]);
                 for (int k = 0; k < 8; k += 4) {  /* 4 groups of 5-bit products fit int16 */
                     __m256i p = maddubs_bcast(g[k], xs + 4 * (k * T + t));

@@ -112,18 +112,26 @@ def _tensor_key(tensor: QTensor) -> tuple:
     return (int(tensor.data.ctypes.data), tensor.data.shape, int(tensor.qtype))
 
 
-def release_file_pages(view: np.ndarray) -> None:
-    """Drop this process's resident pages of a read-only file mapping under ``view`` (whole
-    pages inside it only); a later read faults them back in from the page cache."""
+def _file_mapping(view: np.ndarray) -> tuple[mmap.mmap, int] | None:
+    """The file mapping under ``view`` and the view's byte offset in it, or None where the
+    view is not a file's (a copy in anonymous memory would lose its contents if dropped)."""
     base = view
     while isinstance(base, np.ndarray) and base.base is not None:
         base = base.base
     if isinstance(base, memoryview):  # numpy's wrapper around the buffer it was given
         base = base.obj
     if not isinstance(base, mmap.mmap) or not hasattr(base, "madvise"):
-        return  # not file-backed (a copy in anonymous memory would lose its contents)
-    origin = np.frombuffer(base, dtype=np.uint8).ctypes.data
-    start = view.ctypes.data - origin
+        return None
+    return base, view.ctypes.data - np.frombuffer(base, dtype=np.uint8).ctypes.data
+
+
+def release_file_pages(view: np.ndarray) -> None:
+    """Drop this process's resident pages of a read-only file mapping under ``view`` (whole
+    pages inside it only); a later read faults them back in from the page cache."""
+    found = _file_mapping(view)
+    if found is None:
+        return
+    base, start = found
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     last = (start + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
     if last > first:
@@ -140,14 +148,10 @@ def release_file_rows(table: np.ndarray, ids: np.ndarray) -> None:
     row's whole folio-sized block), after they were read. An embedding table read in place
     otherwise stays resident block by block as new token ids arrive: the 0.5B's 145 MB
     table added 16 MB to a server's RSS over 200 requests, up to all of it in time."""
-    base = table
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    if isinstance(base, memoryview):
-        base = base.obj
-    if not isinstance(base, mmap.mmap) or not hasattr(base, "madvise") or not len(ids):
+    found = _file_mapping(table) if len(ids) else None
+    if found is None:
         return
-    start = table.ctypes.data - np.frombuffer(base, dtype=np.uint8).ctypes.data
+    base, start = found
     offsets = start + np.asarray(ids, dtype=np.int64) * table.strides[0]
     for block in np.unique(offsets // FILE_FOLIO_BYTES):
         first = int(block) * FILE_FOLIO_BYTES
@@ -538,30 +542,22 @@ class CpuBackend(NumpyBackend):
         unit of work per KV head and block of 16 tokens on the kernels' threads. A token's
         result does not depend on the rest of the batch, so decode, speculative checks and
         prompts agree."""
-        q = np.ascontiguousarray(q, dtype=np.float32)  # (n, H, hd)
-        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)  # (T, KVH, hd) f16
-        mask = np.ascontiguousarray(mask, dtype=np.uint8)  # (n, T)
-        out = np.empty_like(q)
-        # one token over a short context is ~50 us of work: waking a helper costs about as much
-        threads = self.threads if q.size * k.shape[0] >= ATTENTION_THREADS_MIN_MACS else 1
-        f = self.native.ffi.from_buffer
-        status = self.native.lib.ek_attention_f16(
-            f("float[]", q), f("uint16_t[]", k), f("uint16_t[]", v), f("uint8_t[]", mask),
-            q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[0], float(scale),
-            float(softcap), f("float[]", out), threads)
-        if status == -2:  # a head layout it does not take (heads not a multiple of KV heads)
-            return super().attention(q, k, v, mask, scale, softcap)
-        if status != 0:
-            raise MemoryError("no memory for attention scores")
-        return out
+        out = self._attention_f16_parts(q, [(k, v, mask)], scale, softcap)
+        return super().attention(q, k, v, mask, scale, softcap) if out is None else out
 
     def attention_batch(self, q, parts, scale, softcap=0.0):
         """Every sequence's attention in one C job (a batched decode step: one row per
         sequence), the units shared across the threads; the same bits as ``attention`` gives
         each sequence alone. Other layouts take the per-sequence loop."""
-        if (self.native is None or q.shape[-1] % 8
-                or any(k.dtype != np.float16 or v.dtype != np.float16 for k, v, _ in parts)):
-            return super().attention_batch(q, parts, scale, softcap)
+        out = None
+        if (self.native is not None and q.shape[-1] % 8 == 0
+                and all(k.dtype == np.float16 and v.dtype == np.float16 for k, v, _ in parts)):
+            out = self._attention_f16_parts(q, parts, scale, softcap)
+        return super().attention_batch(q, parts, scale, softcap) if out is None else out
+
+    def _attention_f16_parts(self, q, parts, scale, softcap) -> np.ndarray | None:
+        """q (N, H, hd) against one (k, v, mask) per sequence of its rows, in one C job; None
+        for a head layout the kernel does not take (heads not a multiple of KV heads)."""
         q = np.ascontiguousarray(q, dtype=np.float32)  # (N, H, hd)
         keys = [np.ascontiguousarray(k) for k, _, _ in parts]  # (T_j, KVH, hd) f16
         values = [np.ascontiguousarray(v) for _, v, _ in parts]
@@ -572,15 +568,14 @@ class CpuBackend(NumpyBackend):
         out = np.empty_like(q)
         macs = sum(n * k.shape[0] for n, k in zip(rows, keys, strict=True)) * q[0].size
         threads = self.threads if macs >= ATTENTION_THREADS_MIN_MACS else 1
-        ffi = self.native.ffi
-        f = ffi.from_buffer
+        f = self.native.ffi.from_buffer
         status = self.native.lib.ek_attention_f16_batch(
             len(parts), f("float[]", q), [f("uint16_t[]", k) for k in keys],
             [f("uint16_t[]", v) for v in values], [f("uint8_t[]", m) for m in masks], rows,
             [k.shape[0] for k in keys], q.shape[1], keys[0].shape[1], q.shape[2], float(scale),
             float(softcap), f("float[]", out), threads)
-        if status == -2:  # heads not a multiple of KV heads: the loop (and the reference)
-            return super().attention_batch(q, parts, scale, softcap)
+        if status == -2:
+            return None
         if status != 0:
             raise MemoryError("no memory for attention scores")
         return out
