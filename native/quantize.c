@@ -9,6 +9,14 @@
  * are |x| plus the sub-block's RMS without an importance matrix, imatrix * sqrt(sigma^2 + x^2)
  * with one. Q6_K fits a symmetric scale per 16 values over candidates around nmax/max.
  * Arithmetic is float32 in ggml's order, compiled without FMA contraction.
+ *
+ * Beyond llama-quantize, with an importance matrix only: Q4_0/Q5_0 re-choose each value's level
+ * for the scale as stored (f16) and refit the scale to them (refine_symmetric), and Q4_K/Q5_K
+ * walk each sub-block's 6-bit (scale, min) to a local optimum of the weighted error as stored
+ * and refit the f16 super-scales (refine_k4). On Qwen2.5-0.5B's q4_k_m with an importance
+ * matrix that took perplexity from +0.04% of llama-quantize's (same matrix) to -0.6%; without
+ * one the same steps moved it by -0.1% to +0.3% (noise: files 107 bytes apart differ by 0.16%),
+ * so the plain path stays ggml's, and its files llama-quantize's to a few bytes.
  */
 #include <math.h>
 #include <stdint.h>
@@ -74,6 +82,45 @@ static void pack_q5(uint8_t *out, const int *L) {
         qh |= (uint32_t)((L[j + QK / 2] >> 4) & 1) << (j + QK / 2);
     }
     memcpy(out, &qh, 4);
+}
+
+/* weighted error of x stored as d16 * (L - nmax), levels re-chosen for d16 (in place) */
+static float relevel_symmetric(int n, int nmax, const float *x, const float *w, float d16,
+                               int *L) {
+    float err = 0.0f;
+    for (int i = 0; i < n; i++) {
+        int l = d16 != 0.0f ? imax(-nmax, imin(nmax - 1, nearest(x[i] / d16))) : 0;
+        L[i] = l + nmax;
+        float diff = d16 * l - x[i];
+        err += w[i] * diff * diff;
+    }
+    return err;
+}
+
+/* A symmetric block's scale as stored (f16), refined: the levels re-chosen for the stored
+ * scale (each value's nearest), the scale refitted to them by weighted least squares, a few
+ * rounds, keeping the best as stored. ggml keeps the levels of the candidate scale it found. */
+static float refine_symmetric(int n, int nmax, const float *x, const float *w, float d, int *L) {
+    int cand[QK];
+    float best_d = f16_round(d);
+    float best = relevel_symmetric(n, nmax, x, w, best_d, L);
+    for (int round = 0; round < 4; round++) {
+        double slx = 0, sl2 = 0;
+        for (int i = 0; i < n; i++) {
+            int l = L[i] - nmax;
+            slx += (double)w[i] * x[i] * l;
+            sl2 += (double)w[i] * l * l;
+        }
+        if (sl2 <= 0.0) break;
+        float nd = f16_round((float)(slx / sl2));
+        if (nd == best_d) break;
+        float err = relevel_symmetric(n, nmax, x, w, nd, cand);
+        if (!(err < best)) break;
+        best = err;
+        best_d = nd;
+        memcpy(L, cand, sizeof(int) * n);
+    }
+    return best_d;
 }
 
 /* symmetric weighted fit with levels in [-nmax, nmax-1] (ggml's make_qx_quants, rmse_type 1) */
@@ -250,6 +297,7 @@ static void q4_0_row(const float *x, uint8_t *out, int64_t n, const float *qw) {
         if (qw) {
             for (int j = 0; j < QK; j++) w[j] = qw[b * QK + j] * sqrtf(sigma2 + x[j] * x[j]);
             d = fit_symmetric(QK, 8, x, L, w);
+            d = refine_symmetric(QK, 8, x, w, d, L);
         } else {
             d = signed_absmax(x, QK) / -8.0f;
             float id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -268,6 +316,7 @@ static void q5_0_row(const float *x, uint8_t *out, int64_t n, const float *qw) {
         if (qw) {
             for (int j = 0; j < QK; j++) w[j] = qw[b * QK + j] * sqrtf(sigma2 + x[j] * x[j]);
             d = fit_symmetric(QK, 16, x, L, w);
+            d = refine_symmetric(QK, 16, x, w, d, L);
         } else {
             d = signed_absmax(x, QK) / -16.0f;
             float id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -322,10 +371,132 @@ static void pack_scales_k4(uint8_t *s, const int *ls, const int *lm) {
     }
 }
 
+/* v rounded to the nearest integer, ties to even, exact for |v| < 2^22; beyond that it stays
+ * beyond, which the callers' clamp to their levels makes right. Plain adds (no rintf, no
+ * branch), so the error loops below vectorize on any x86-64 or ARM baseline. */
+static inline float round_even(float v) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    return (v + magic) - magic;
+}
+
+#define LANES 8 /* partial sums of the error loops: a fixed order, so the same bits anywhere */
+
+static float sum_lanes(const float *acc) {
+    float err = 0.0f;
+    for (int k = 0; k < LANES; k++) err += acc[k];
+    return err;
+}
+
+/* weighted squared error of one 32-value sub-block stored as d * q - dm, each level q the
+ * nearest to its value in 0..nmax */
+static float subblock_error(const float *x, const float *w, int nmax, float d, float dm) {
+    float acc[LANES] = {0};
+    if (!(d > 0.0f)) { /* every level 0 */
+        for (int l = 0; l < QK; l += LANES) {
+            for (int k = 0; k < LANES; k++) {
+                float diff = dm + x[l + k];
+                acc[k] += w[l + k] * diff * diff;
+            }
+        }
+        return sum_lanes(acc);
+    }
+    const float top = (float)nmax;
+    for (int l = 0; l < QK; l += LANES) {
+        for (int k = 0; k < LANES; k++) {
+            float q = round_even((x[l + k] + dm) / d);
+            q = q < 0.0f ? 0.0f : q;
+            q = q > top ? top : q;
+            float diff = d * q - dm - x[l + k];
+            acc[k] += w[l + k] * diff * diff;
+        }
+    }
+    return sum_lanes(acc);
+}
+
+static float superblock_error(const float *x, const float *w, int nmax, float d16, float m16,
+                              const int *ls, const int *lm) {
+    float err = 0.0f;
+    for (int j = 0; j < 8; j++) {
+        err += subblock_error(x + QK * j, w + QK * j, nmax, d16 * ls[j], m16 * lm[j]);
+    }
+    return err;
+}
+
+/* Each sub-block's (scale, min) 6-bit levels walked to the best of their +-1 neighbours
+ * while one is better, the values re-levelled for each (ggml rounds each fitted scale and
+ * minimum once); each step lowers the error, and a level has 64 values. */
+static float step_sub_levels(const float *x, const float *w, int nmax, float d16, float m16,
+                             int *ls, int *lm) {
+    float total = 0.0f;
+    for (int j = 0; j < 8; j++) {
+        const float *xs = x + QK * j, *ws = w + QK * j;
+        float best = subblock_error(xs, ws, nmax, d16 * ls[j], m16 * lm[j]);
+        for (int walk = 0; walk < 64; walk++) {
+            int bs = ls[j], bm = lm[j];
+            for (int sc = imax(0, ls[j] - 1); sc <= imin(63, ls[j] + 1); sc++) {
+                for (int mn = imax(0, lm[j] - 1); mn <= imin(63, lm[j] + 1); mn++) {
+                    float e = subblock_error(xs, ws, nmax, d16 * sc, m16 * mn);
+                    if (e < best) { best = e; bs = sc; bm = mn; }
+                }
+            }
+            if (bs == ls[j] && bm == lm[j]) break;
+            ls[j] = bs;
+            lm[j] = bm;
+        }
+        total += best;
+    }
+    return total; /* the super-block's error as it now stands */
+}
+
+/* The two f16 super-scales refitted to the levels by weighted least squares
+ * (x ~ d*ls*q - dmin*lm), kept when the stored error drops below ``err`` (the error now);
+ * returns whether they were. */
+static int refit_super_scales(const float *x, const float *w, int nmax, float *d16,
+                              float *m16, const int *ls, const int *lm, float err) {
+    double saa = 0, sab = 0, sbb = 0, sax = 0, sbx = 0;
+    for (int j = 0; j < 8; j++) {
+        float d = *d16 * ls[j], dm = *m16 * lm[j];
+        for (int l = 0; l < QK; l++) {
+            int i = QK * j + l;
+            int q = d > 0.0f ? imax(0, imin(nmax, nearest((x[i] + dm) / d))) : 0;
+            double a = (double)ls[j] * q, b = -(double)lm[j];
+            saa += w[i] * a * a; sab += w[i] * a * b; sbb += w[i] * b * b;
+            sax += w[i] * a * x[i]; sbx += w[i] * b * x[i];
+        }
+    }
+    double det = saa * sbb - sab * sab;
+    if (det <= 0.0) return 0;
+    float nd = f16_round((float)((sax * sbb - sbx * sab) / det));
+    float nm = f16_round((float)((saa * sbx - sab * sax) / det));
+    if (!(nd > 0.0f && nm >= 0.0f && isfinite(nd) && isfinite(nm))) return 0;
+    if ((nd == *d16 && nm == *m16) || !(superblock_error(x, w, nmax, nd, nm, ls, lm) < err)) {
+        return 0;
+    }
+    *d16 = nd;
+    *m16 = nm;
+    return 1;
+}
+
+/* A super-block's scales as stored, refined against the weighted error they give: the
+ * sub-block levels stepped, the super-scales refitted, the levels stepped again, so that the
+ * stored result is a local optimum (no single +-1 step of a sub-block lowers its error). Each
+ * step keeps the error or lowers it; the second walk runs only when the refit moved. */
+static void refine_k4(const float *x, const float *w, int nmax, float *d_block, float *m_block,
+                      int *ls, int *lm) {
+    float d16 = f16_round(*d_block), m16 = f16_round(*m_block);
+    if (d16 <= 0.0f) return;
+    float err = step_sub_levels(x, w, nmax, d16, m16, ls, lm);
+    if (refit_super_scales(x, w, nmax, &d16, &m16, ls, lm, err)) {
+        step_sub_levels(x, w, nmax, d16, m16, ls, lm);
+    }
+    *d_block = d16;
+    *m_block = m16;
+}
+
 /* one super-block of Q4_K (nmax 15) or Q5_K (nmax 31): d, dmin, 12 scale bytes, then the
  * levels L (256) for the caller to pack */
 static void k4_superblock(const float *x, const float *qw, int nmax, uint8_t *head, int *L) {
-    float scales[8], mins[8], sw[8], w[QK];
+    float scales[8], mins[8], sw[8], w[QKK];
     int ls[8], lm[8];
     float d_block, m_block;
     if (qw) {
@@ -334,13 +505,13 @@ static void k4_superblock(const float *x, const float *qw, int nmax, uint8_t *he
         float sigma2 = 2.0f * sum_x2 / QKK;
         for (int j = 0; j < 8; j++) {
             const float *xs = x + QK * j;
-            float sumw = 0.0f;
+            float *ws = w + QK * j, sumw = 0.0f;
             for (int l = 0; l < QK; l++) {
-                w[l] = qw[QK * j + l] * sqrtf(sigma2 + xs[l] * xs[l]);
-                sumw += w[l];
+                ws[l] = qw[QK * j + l] * sqrtf(sigma2 + xs[l] * xs[l]);
+                sumw += ws[l];
             }
             sw[j] = sumw;
-            scales[j] = fit_scale_min(QK, nmax, xs, w, L + QK * j, &mins[j], -0.9f, 0.05f, 36);
+            scales[j] = fit_scale_min(QK, nmax, xs, ws, L + QK * j, &mins[j], -0.9f, 0.05f, 36);
         }
         d_block = fit_positive(8, 63, scales, ls, sw);
         m_block = fit_positive(8, 63, mins, lm, sw);
@@ -350,11 +521,11 @@ static void k4_superblock(const float *x, const float *qw, int nmax, uint8_t *he
         int nstep = nmax == 15 ? 20 : 15;
         for (int j = 0; j < 8; j++) {
             const float *xs = x + QK * j;
-            float sum_x2 = 0.0f;
+            float *ws = w + QK * j, sum_x2 = 0.0f;
             for (int l = 0; l < QK; l++) sum_x2 += xs[l] * xs[l];
             float av_x = sqrtf(sum_x2 / QK);
-            for (int l = 0; l < QK; l++) w[l] = av_x + fabsf(xs[l]);
-            scales[j] = fit_scale_min(QK, nmax, xs, w, L + QK * j, &mins[j], rmin, 0.1f, nstep);
+            for (int l = 0; l < QK; l++) ws[l] = av_x + fabsf(xs[l]);
+            scales[j] = fit_scale_min(QK, nmax, xs, ws, L + QK * j, &mins[j], rmin, 0.1f, nstep);
             if (scales[j] > max_scale) max_scale = scales[j];
             if (mins[j] > max_min) max_min = mins[j];
         }
@@ -368,6 +539,7 @@ static void k4_superblock(const float *x, const float *qw, int nmax, uint8_t *he
         m_block = max_min / 63.0f;
     }
     for (int j = 0; j < 8; j++) { ls[j] = imin(63, ls[j]); lm[j] = imin(63, lm[j]); }
+    if (qw) refine_k4(x, w, nmax, &d_block, &m_block, ls, lm);
     uint16_t hd = f16_bits(d_block), hm = f16_bits(m_block);
     memcpy(head, &hd, 2);
     memcpy(head + 2, &hm, 2);

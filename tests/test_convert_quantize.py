@@ -60,6 +60,69 @@ def test_importance_matrix_lowers_the_weighted_error(qtype):
     assert (((weighted - x) ** 2) * importance).sum() < (((plain - x) ** 2) * importance).sum()
 
 
+def _search_weights(x: np.ndarray, importance: np.ndarray) -> np.ndarray:
+    """The weights the K-quant search uses with an importance matrix, (rows, cols):
+    importance * sqrt(sigma^2 + x^2), sigma^2 twice the super-block's mean square."""
+    rows, cols = x.shape
+    sb = x.reshape(rows, -1, 256)
+    sigma2 = 2 * (sb * sb).mean(-1, keepdims=True)
+    return (importance.reshape(1, -1, 256) * np.sqrt(sigma2 + sb * sb)).reshape(rows, cols)
+
+
+def _k4_error(x: np.ndarray, w: np.ndarray, d: np.ndarray, dm: np.ndarray, nmax: int):
+    """Weighted error of 32-value sub-blocks x (..., 32) stored as d * q - dm, q nearest."""
+    safe = np.where(d > 0, d, 1.0)
+    q = np.where(d > 0, np.clip(np.rint((x + dm) / safe), 0, nmax), 0)
+    return (w * (d * q - dm - x) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K])
+def test_k_quant_scales_are_a_local_optimum_under_an_imatrix(qtype):
+    """With an importance matrix, no sub-block's stored 6-bit (scale, min) pair gains by a
+    step of +-1 in either: the scales are searched against the weighted error of the values
+    as stored (ggml rounds each fitted scale to its 6-bit level once, and a neighbour does
+    better in ~1 sub-block of 10)."""
+    from edgellm.converters.mlx_layout import _k_quant
+
+    x = sample(cols=1024, seed=7).astype(np.float64)
+    importance = np.random.default_rng(2).uniform(0.05, 1.0, 1024) ** 3
+    data = quantize(x.astype(np.float32), qtype, imatrix=importance.astype(np.float32))
+    rows = x.shape[0]
+    blocks = data.reshape(rows, -1, {Q.Q4_K: 144, Q.Q5_K: 176}[qtype])
+    _, scale, bias = _k_quant(blocks, qtype)  # (rows, subs): d*ls and -dmin*lm
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float64)  # (rows, nb, 1)
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float64)
+    d, dmin = np.repeat(d, 8, axis=1)[..., 0], np.repeat(dmin, 8, axis=1)[..., 0]
+    ls = np.rint(scale / np.where(d > 0, d, 1)).astype(int)
+    lm = np.rint(-bias / np.where(dmin > 0, dmin, 1)).astype(int)
+    nmax = {Q.Q4_K: 15, Q.Q5_K: 31}[qtype]
+    xs = x.reshape(rows, -1, 32)
+    w = _search_weights(x, importance).reshape(xs.shape)
+    stored = _k4_error(xs, w, (d * ls)[..., None], (dmin * lm)[..., None], nmax)
+    live = (d > 0)[..., 0] if d.ndim == 3 else d > 0
+    for ds in (-1, 0, 1):
+        for dm in (-1, 0, 1):
+            s, m = np.clip(ls + ds, 0, 63), np.clip(lm + dm, 0, 63)
+            other = _k4_error(xs, w, (d * s)[..., None], (dmin * m)[..., None], nmax)
+            better = live & (other < stored * (1 - 1e-4) - 1e-12)
+            assert not better.any(), f"{np.count_nonzero(better)} sub-blocks gain by ({ds}, {dm})"
+
+
+@pytest.mark.parametrize("qtype,nmax", [(Q.Q4_0, 8), (Q.Q5_0, 16)])
+def test_weighted_legacy_levels_are_nearest_to_the_stored_scale(qtype, nmax):
+    """With an importance matrix, every value's level is its nearest for the scale as stored
+    (f16), as the plain path's rounding gives: the search's levels are re-chosen for it."""
+    x = sample(cols=1024, seed=3)
+    importance = np.random.default_rng(4).uniform(0.05, 1.0, 1024).astype(np.float32) ** 3
+    data = quantize(x, qtype, imatrix=importance)
+    blocks = data.reshape(x.shape[0], -1, {Q.Q4_0: 18, Q.Q5_0: 22}[qtype])
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # (rows, nb, 1)
+    back = gguf_quants.dequantize(data, qtype).reshape(blocks.shape[0], blocks.shape[1], 32)
+    q = np.rint(back / np.where(d == 0, 1, d))
+    nearest = np.clip(np.rint(x.reshape(q.shape) / np.where(d == 0, 1, d)), -nmax, nmax - 1)
+    assert np.array_equal(np.where(d == 0, 0, q), np.where(d == 0, 0, nearest))
+
+
 def test_quantizer_refuses_partial_blocks_and_unknown_types():
     with pytest.raises(ValueError, match="not whole Q4_K blocks"):
         quantize(np.zeros((2, 896), np.float32), Q.Q4_K)
