@@ -108,6 +108,31 @@ def test_k_quant_scales_are_a_local_optimum_under_an_imatrix(qtype):
             assert not better.any(), f"{np.count_nonzero(better)} sub-blocks gain by ({ds}, {dm})"
 
 
+def test_q6_k_scales_are_a_local_optimum_under_an_imatrix():
+    """With an importance matrix, no 16-value group of Q6_K gains by a step of +-1 in its int8
+    scale (error weighted by the matrix, the values re-levelled)."""
+    x = sample(cols=1024, seed=9).astype(np.float64)
+    importance = np.random.default_rng(3).uniform(0.05, 1.0, 1024) ** 3
+    data = quantize(x.astype(np.float32), Q.Q6_K, imatrix=importance.astype(np.float32))
+    rows = x.shape[0]
+    blocks = data.reshape(rows, -1, 210)
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float64)  # (rows, nb, 1)
+    sc = blocks[..., 192:208].view(np.int8).astype(np.float64)  # (rows, nb, 16)
+    xs = x.reshape(rows, -1, 16, 16)
+    w = np.broadcast_to(importance.reshape(1, -1, 16, 16), xs.shape)
+
+    def error(scale):  # (rows, nb, 16): groups stored as scale * q, q nearest in [-32, 31]
+        step = (d * scale)[..., None]
+        q = np.clip(np.rint(xs / np.where(step == 0, 1, step)), -32, 31)
+        return (w * (step * q - xs) ** 2).sum(-1)
+
+    stored = error(sc)
+    for step in (-1, 1):
+        other = error(np.clip(sc + step, -128, 127))
+        better = (d > 0) & (other < stored * (1 - 1e-4) - 1e-12)
+        assert not better.any(), f"{np.count_nonzero(better)} groups gain by {step}"
+
+
 @pytest.mark.parametrize("qtype,nmax", [(Q.Q4_0, 8), (Q.Q5_0, 16)])
 def test_weighted_legacy_levels_are_nearest_to_the_stored_scale(qtype, nmax):
     """With an importance matrix, every value's level is its nearest for the scale as stored
