@@ -47,7 +47,9 @@ def loaded(name: str, backend: str):
 # activations reach the thousands and llama.cpp's 8-bit activation blocks flatten the rest
 # (its top-1 after any first token is a digit, margin up to 3.4). "numpy-ggml" rounds
 # activations as llama.cpp does and meets the bounds; plain f32 meets them past position 0.
+# MLX on an Apple GPU multiplies float activations by default too (as llama.cpp's Metal does).
 F32_SKIP = {("numpy", "qwen2.5-coder-1.5b-instruct")}
+F32_SKIP_MODELS = {name for _, name in F32_SKIP}
 # Known shortfall (open): numpy-ggml, which follows ggml-cpu op by op (each op within ~1e-7 of
 # llama.cpp's own tensors), agrees on Gemma 3 at 345/356 = 96.9% (< 97%), misses < 0.85. Gemma
 # under 8-bit activations is chaotic: llama.cpp itself, teacher-forced in one pass instead of the
@@ -67,11 +69,13 @@ KNOWN_SHORT = {("numpy-ggml", "gemma-3-270m"): "numpy-ggml agrees at 96.9% on Ge
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", MODELS)
 def test_teacher_forced_top1_matches_llama_cpp(model_path, backend, name):
-    if (backend, name) in F32_SKIP:
+    model_path(name)
+    model = loaded(name, backend)
+    float_activations = getattr(model.backend, "round_activations", None) is False
+    if (backend, name) in F32_SKIP or (float_activations and name in F32_SKIP_MODELS):
         pytest.skip("f32 differs from llama.cpp's 8-bit activations at position 0; "
                     "covered by numpy-ggml")
-    model_path(name)
-    agreement = teacher_forced_agreement(loaded(name, backend), load_reference(name))
+    agreement = teacher_forced_agreement(model, load_reference(name))
     print(f"{name} [{backend}]: {agreement.matches}/{agreement.positions} "
           f"= {agreement.rate:.1%}, largest missed margin {agreement.max_missed_margin:.3f}")
     assert agreement.max_missed_margin < 1.0, agreement.misses

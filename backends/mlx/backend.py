@@ -11,8 +11,16 @@ Everything is lazy: a forward pass builds one graph and ``to_numpy(logits)`` eva
 
 Activations are float32: the K-quants' scales must be f32 to be exact, and on the CPU
 (``mlx[cpu]`` on Linux, where parity is tested) MLX's float16 kernels are ~40x slower than
-its float32 ones. Every matmul, decode and prompt alike, is ``mx.quantized_matmul`` (on the
-CPU, dequantizing and running MLX's f32 GEMM measured slower still).
+its float32 ones. They are multiplied as they are, as llama.cpp's Metal kernels multiply
+them; ``round_activations=True`` (or ``EDGELLM_MLX_ROUND_ACTIVATIONS=1``) first rounds each
+quantized matmul's input to 8-bit blocks as llama.cpp's CPU backend does (Q8_0 per 32, Q8_K per
+256 against K-quants), which the reference outputs were made with. Float is the default on
+every device, so the parity tested on Linux is the arithmetic a Mac runs; the rounding costs a
+fused kernel per matmul input and, measured against the references, trades one model's
+shortfall for another's (docs/architecture.md).
+
+Every matmul, decode and prompt alike, is ``mx.quantized_matmul`` (on the CPU, dequantizing
+and running MLX's f32 GEMM measured slower still).
 
 The embedding table is read where it lies, in the file's mapping: a lookup dequantizes the
 few rows it needs on the host (numpy, exact) and hands them to MLX, so an untied table takes
@@ -30,9 +38,11 @@ import numpy as np
 
 from edgellm.converters.gguf_reader import QTensor
 from edgellm.converters.mlx_layout import AffineWeight, to_affine
-from edgellm.quants import dequantize
+from edgellm.quants import Q, dequantize
 
 from ..base import Backend
+
+K_QUANTS = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16}
 
@@ -47,11 +57,12 @@ class MlxQuantWeight:
     bits: int
     group_size: int
     exact: bool  # the file's values, bit for bit (False: Q6_K & co. re-quantized)
+    act_block: int = 32  # llama.cpp's activation block against the file's type (256: K-quants)
 
     @classmethod
-    def from_affine(cls, a: AffineWeight) -> MlxQuantWeight:
+    def from_affine(cls, a: AffineWeight, qtype: Q) -> MlxQuantWeight:
         return cls(mx.array(a.packed), mx.array(a.scales), mx.array(a.biases), a.bits,
-                   a.group_size, a.exact)
+                   a.group_size, a.exact, 256 if qtype in K_QUANTS else 32)
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +96,41 @@ def _gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
     return 0.5 * gate * (1.0 + mx.tanh(c * (gate + 0.044715 * gate * gate * gate))) * up
 
 
+@mx.compile
+def _round_q8_0(x: mx.array) -> mx.array:
+    """x (n, in) as llama.cpp's x86 ``quantize_row_q8_0`` rounds it (per 32: q =
+    round-half-even(x * (127/amax)), d = f16(amax/127)), back as f32 q * d."""
+    n, k = x.shape
+    xb = x.reshape(n, k // 32, 32)
+    amax = mx.max(mx.abs(xb), axis=-1, keepdims=True)  # (n, k/32, 1)
+    empty = amax == 0
+    safe = mx.where(empty, 1.0, amax)
+    q = mx.round(xb * (127.0 / safe))
+    d = mx.where(empty, 0.0, safe / 127.0).astype(mx.float16).astype(mx.float32)
+    return (q * d).reshape(n, k)
+
+
+@mx.compile
+def _round_q8_k(x: mx.array) -> mx.array:
+    """x (n, in) as ggml's ``quantize_row_q8_K`` rounds it (per 256: iscale = -127/peak, the
+    signed value of largest magnitude; q = min(127, round-half-even(iscale * x)); d =
+    1/iscale), back as f32 q * d."""
+    n, k = x.shape
+    xb = x.reshape(n, k // 256, 256)
+    peak = mx.take_along_axis(xb, mx.argmax(mx.abs(xb), axis=-1, keepdims=True), axis=-1)
+    empty = peak == 0
+    iscale = -127.0 / mx.where(empty, 1.0, peak)
+    q = mx.minimum(mx.round(iscale * xb), 127.0)
+    d = mx.where(empty, 0.0, 1.0 / iscale)
+    return (q * d).reshape(n, k)
+
+
+def round_activations(x: mx.array, block: int) -> mx.array:
+    """x (n, in) f32 rounded to 8-bit blocks of ``block`` (32 or 256) as llama.cpp's CPU
+    backend rounds a matmul's input (the arithmetic of ``numpy-ggml``)."""
+    return _round_q8_k(x) if block == 256 else _round_q8_0(x)
+
+
 def _consecutive(positions: np.ndarray) -> bool:
     return len(positions) > 0 and bool(np.all(np.diff(positions) == 1))
 
@@ -105,7 +151,8 @@ class MlxBackend(Backend):
     name = "mlx"
     ggml_numerics = False
 
-    def __init__(self, threads: int | None = None, device: str | None = None):
+    def __init__(self, threads: int | None = None, device: str | None = None,
+                 round_activations: bool | None = None):
         super().__init__(threads)
         device = device or os.environ.get("EDGELLM_MLX_DEVICE", "auto")
         if device not in ("auto", "cpu", "gpu"):
@@ -116,6 +163,11 @@ class MlxBackend(Backend):
             mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
         self.on_gpu = mx.default_device() == mx.gpu
         self.threads = threads or os.cpu_count() or 1
+        if round_activations is None:
+            round_activations = os.environ.get("EDGELLM_MLX_ROUND_ACTIVATIONS", "0") != "0"
+        #: each quantized matmul's input rounded to 8-bit blocks first, as llama.cpp's CPU
+        #: backend rounds it (off by default: float activations, as llama.cpp's Metal)
+        self.round_activations = round_activations
 
     # -- what and where ----------------------------------------------------------------------
     def device_name(self) -> str:
@@ -138,7 +190,7 @@ class MlxBackend(Backend):
         affine = to_affine(tensor.data, tensor.qtype, rows, cols)
         if affine is None:  # F32/F16/BF16: dense f32
             return mx.array(np.asarray(tensor.dequantize(), np.float32).reshape(rows, cols))
-        return MlxQuantWeight.from_affine(affine)
+        return MlxQuantWeight.from_affine(affine, tensor.qtype)
 
     def prepare_embedding(self, tensor: QTensor) -> HostTable:
         return HostTable(tensor)
@@ -182,6 +234,27 @@ class MlxBackend(Backend):
 
     def matmul(self, x, weight, bias=None) -> mx.array:
         x = self.asarray(x)  # (n, in)
+        if isinstance(weight, MlxQuantWeight) and self.round_activations:
+            x = round_activations(x, weight.act_block)
+        return self._matmul_rounded(x, weight, bias)
+
+    def matmuls(self, x, weights: tuple, biases: tuple | None = None) -> list:
+        """Several projections of one input (q/k/v, gate/up), rounded once per block size."""
+        x = self.asarray(x)
+        biases = biases or (None,) * len(weights)
+        rounded: dict[int, mx.array] = {}
+        out = []
+        for w, b in zip(weights, biases, strict=True):
+            xw = x
+            if isinstance(w, MlxQuantWeight) and self.round_activations:
+                if w.act_block not in rounded:
+                    rounded[w.act_block] = round_activations(x, w.act_block)
+                xw = rounded[w.act_block]
+            out.append(self._matmul_rounded(xw, w, b))
+        return out
+
+    @staticmethod
+    def _matmul_rounded(x: mx.array, weight, bias) -> mx.array:
         if not isinstance(weight, MlxQuantWeight):
             out = x @ weight.T
         else:
