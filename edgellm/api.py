@@ -306,8 +306,8 @@ def _weight_progress(backend: Backend, tensors: dict, report: Callable[[float], 
             delattr(backend, name)
 
 
-#: glibc's mallopt parameter numbers for the trim and mmap thresholds
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: glibc's mallopt parameter numbers for the trim and mmap thresholds and the arena count
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 #: blocks from this size up get mappings of their own (glibc's dynamic default starts at
 #: 128 KiB and rises to the largest block freed, up to 32 MiB). 1 MiB cost the 0.5B's prefill
 #: ~8% in page faults of its per-slice temporaries (up to 10 MB); 16 MiB costs nothing there
@@ -320,12 +320,18 @@ MMAP_THRESHOLD = 16 << 20
 #: mmap thresholds: any block the heap serves can be freed and reused without a fault. The
 #: heaps go back to the system where we trim on purpose (Model.close, an idle engine).
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
+#: malloc arenas: glibc gives threads that meet contention arenas of their own (up to 8 per
+#: core), each keeping its own free pages. The server's threads (event loop, engine, kernel
+#: pool) held ~10 MB more that way: its load test (benchmarks/serve_stress.py --seed 5, three
+#: runs each) ended at 894-898 MiB and +2.2..+5.3 MiB over its warm-up, and at 886.5-886.8
+#: MiB and +1.0..+1.7 MiB with two arenas
+ARENA_MAX = 2
 _threshold_pinned = False
 
 
 def pin_malloc_mmap_threshold() -> None:
-    """Fix glibc's mmap threshold at MMAP_THRESHOLD (and its trim threshold at TRIM_THRESHOLD)
-    for this process (once; elsewhere nothing).
+    """Fix glibc's mmap threshold at MMAP_THRESHOLD (its trim threshold at TRIM_THRESHOLD, its
+    arena count at ARENA_MAX) for this process (once; elsewhere nothing).
 
     glibc raises the threshold to the size of each mapped block freed (up to 32 MB), after
     which blocks of that size come from the heap, and a heap returns memory only where whole
@@ -341,6 +347,7 @@ def pin_malloc_mmap_threshold() -> None:
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        mallopt(_M_ARENA_MAX, ARENA_MAX)
 
 
 _libc: dict[str, Any] = {}

@@ -82,6 +82,53 @@ def test_pinned_mmap_threshold_hands_back_plain_numpy_blocks():
     assert later.sum() == 1000
 
 
+ARENA_PROBE = """
+import ctypes, sys, threading
+import numpy as np
+if sys.argv[2] == "pinned":
+    from edgellm.api import pin_malloc_mmap_threshold
+    pin_malloc_mmap_threshold()
+together = threading.Barrier(8)
+def work():
+    blocks = [np.empty(1000 + i) for i in range(40)]  # 8 KB blocks: malloc's own
+    together.wait()  # every thread alive and allocating at once, as a server's are
+    for _ in range(20):
+        blocks = [np.empty(1000 + i) for i in range(40)]
+    del blocks
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+out = libc.fopen(sys.argv[1].encode(), b"w")
+libc.malloc_info(0, ctypes.c_void_p(out))
+libc.fclose(ctypes.c_void_p(out))
+"""
+
+
+def test_pinned_malloc_keeps_to_a_few_arenas(tmp_path):
+    """Threads that allocate (the server's event loop, engine and kernel pool) share ARENA_MAX
+    malloc arenas once edgellm has pinned its malloc settings; glibc's default gives each new
+    thread an arena of its own (up to 8 per core), each keeping its own free pages."""
+    import subprocess
+    import sys
+
+    from edgellm.api import ARENA_MAX, _libc_function
+
+    if _libc_function("mallopt") is None or _libc_function("malloc_info") is None:
+        pytest.skip("not glibc")
+    counts = {}
+    for mode in ("default", "pinned"):
+        report = tmp_path / f"{mode}.xml"
+        subprocess.run([sys.executable, "-c", ARENA_PROBE, str(report), mode], check=True,
+                       timeout=120)
+        counts[mode] = report.read_text().count("<heap nr=")
+    assert counts["pinned"] <= ARENA_MAX
+    assert counts["default"] > ARENA_MAX  # the probe does make glibc spread its threads
+
+
 def test_freeing_drops_the_attribute_names_the_type_cache_holds():
     """CPython's type cache keeps a reference to each attribute name looked up on a type; a
     name built during a model's life would outlive it and pin a 1 MiB pymalloc arena."""
