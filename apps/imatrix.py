@@ -17,7 +17,13 @@ from edgellm.apps.common import CliError, ensure_model
 
 def main(argv: list[str], command: str = "imatrix") -> int:
     p = argparse.ArgumentParser(prog="edgellm imatrix", description=__doc__.splitlines()[0])
-    p.add_argument("-m", "--model", required=True, help="catalog name or .gguf file")
+    p.add_argument("-m", "--model", required=True,
+                   help="catalog name, .gguf file, or a Hugging Face model folder (converted "
+                   "in memory to --quant first)")
+    p.add_argument("--quant", default="q8_0",
+                   choices=["f32", "f16", "bf16", "q8_0"],
+                   help="type a Hugging Face folder is run in (q8_0; f16/f32 for the "
+                   "unrounded weights)")
     p.add_argument("-f", "--file", required=True, help="calibration text file")
     p.add_argument("-o", "--output", default="imatrix.gguf", help="output (imatrix.gguf)")
     p.add_argument("-c", "--ctx", type=int, default=512, help="tokens per chunk (512)")
@@ -34,7 +40,8 @@ def main(argv: list[str], command: str = "imatrix") -> int:
     from edgellm.store import resolve_model
 
     check_writable(Path(args.output))
-    path = resolve_model(ensure_model(args.model))
+    model = Path(args.model)
+    path = model if model.is_dir() else resolve_model(ensure_model(args.model))
     started = time.perf_counter()
 
     def progress(done: int, total: int) -> None:
@@ -43,7 +50,8 @@ def main(argv: list[str], command: str = "imatrix") -> int:
 
     text = text_path.read_text(encoding="utf-8", errors="replace")
     imatrix = compute_imatrix(path, text, ctx=args.ctx, chunks=args.chunks,
-                              backend=args.backend, threads=args.threads, progress=progress)
+                              backend=args.backend, threads=args.threads, progress=progress,
+                              quant=args.quant)
     imatrix.datasets = [str(text_path)]
     write_imatrix(imatrix, args.output)
     print(f"wrote {args.output}: {len(imatrix.sums)} weights, {imatrix.chunk_count} chunks of "

@@ -58,14 +58,25 @@ class RecordingBackend:
 def compute_imatrix(model_path: str | os.PathLike, text: str, ctx: int = 512,
                     chunks: int | None = None, backend: str = "auto",
                     threads: int | None = None,
-                    progress: Callable[[int, int], None] | None = None) -> ImportanceMatrix:
-    """Run the model over ``text`` in chunks of ``ctx`` tokens, recording activations."""
+                    progress: Callable[[int, int], None] | None = None,
+                    quant: str = "q8_0") -> ImportanceMatrix:
+    """Run the model over ``text`` in chunks of ``ctx`` tokens, recording activations.
+
+    ``model_path`` is a .gguf file or a Hugging Face folder, converted in memory to ``quant``
+    first (the matrix then comes from the checkpoint itself, before any file is written)."""
+    from pathlib import Path
+
     from edgellm.backends import get_backend
     from edgellm.converters.gguf_reader import read_gguf
     from edgellm.models import build_model
     from edgellm.tokenizer import Tokenizer
 
-    gguf = read_gguf(model_path)
+    if Path(model_path).is_dir():
+        from edgellm.converters.hf_convert import folder_as_gguf
+
+        gguf = folder_as_gguf(model_path, quant, threads)
+    else:
+        gguf = read_gguf(model_path)
     imatrix = ImportanceMatrix(datasets=[str(getattr(text, "name", "calibration text"))],
                                chunk_size=ctx)
     be = RecordingBackend(get_backend(backend, **({"threads": threads} if threads else {})),

@@ -382,6 +382,28 @@ def test_imatrix_from_our_runtime_round_trips_and_weights_the_search(folders, tm
     assert len(changed) >= 10
 
 
+def test_imatrix_command_takes_a_folder(folders, tmp_path, capsys):
+    """`edgellm imatrix -m FOLDER --quant f32` runs the checkpoint converted in memory: the
+    same matrix as from the f32 file written by convert, and no model file written."""
+    from edgellm.apps.imatrix import main
+    from edgellm.converters.imatrix import read_imatrix
+    from tests.tiny_hf import CORPUS
+
+    folder, _ = folders["llama"]
+    text = tmp_path / "calib.txt"
+    text.write_text("".join(CORPUS))
+    convert(folder, tmp_path / "f32.gguf", "f32")
+    for model, out in ((folder, "from_folder.gguf"), (tmp_path / "f32.gguf", "from_file.gguf")):
+        assert main(["-m", str(model), "--quant", "f32", "-f", str(text), "-c", "64",
+                     "--chunks", "2", "--backend", "numpy", "-o", str(tmp_path / out)]) == 0
+    a, b = (read_imatrix(tmp_path / n) for n in ("from_folder.gguf", "from_file.gguf"))
+    assert a.counts == b.counts and set(a.sums) == set(b.sums)
+    for name in a.sums:
+        np.testing.assert_array_equal(a.sums[name], b.sums[name])
+    assert "wrote" in capsys.readouterr().out
+    assert not list(folder.glob("*.gguf"))
+
+
 def test_a_folder_loads_directly_quantized_in_memory(folders, tmp_path):
     """edgellm.load(folder, quant=...) is the converted file, without the file."""
     folder, model = folders["qwen3"]
