@@ -588,7 +588,6 @@ static void q5_k_row(const float *x, uint8_t *out, int64_t n, const float *qw) {
     }
 }
 
-/* Q6_K: 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, f16 d (210 bytes) */
 /* weighted error of 16 values stored as d * (q - 32), each level the nearest (Q6_K), weighted
  * by the importance matrix */
 static float q6_group_error(const float *x, const float *qw, float d) {
@@ -628,6 +627,7 @@ static void refine_q6_k(const float *x, const float *qw, float d16, int8_t *sc) 
     }
 }
 
+/* Q6_K: 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, f16 d (210 bytes) */
 static void q6_k_row(const float *x, uint8_t *out, int64_t n, const float *qw) {
     int L[QKK];
     float scales[16];

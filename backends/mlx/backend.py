@@ -41,8 +41,7 @@ from edgellm.converters.mlx_layout import AffineWeight, to_affine
 from edgellm.quants import Q, dequantize
 
 from ..base import Backend
-
-K_QUANTS = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+from ..numpy_backend import K_QUANTS
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16}
 
@@ -233,14 +232,12 @@ class MlxBackend(Backend):
         return table[self.index(ids)]
 
     def matmul(self, x, weight, bias=None) -> mx.array:
-        x = self.asarray(x)  # (n, in)
-        if isinstance(weight, MlxQuantWeight) and self.round_activations:
-            x = round_activations(x, weight.act_block)
-        return self._matmul_rounded(x, weight, bias)
+        return self.matmuls(x, (weight,), (bias,))[0]
 
     def matmuls(self, x, weights: tuple, biases: tuple | None = None) -> list:
-        """Several projections of one input (q/k/v, gate/up), rounded once per block size."""
-        x = self.asarray(x)
+        """x (n, in) times each weight; with ``round_activations``, x is rounded once per
+        activation block size the weights need (q/k/v and gate/up share one rounding)."""
+        x = self.asarray(x)  # (n, in)
         biases = biases or (None,) * len(weights)
         rounded: dict[int, mx.array] = {}
         out = []
@@ -250,11 +247,12 @@ class MlxBackend(Backend):
                 if w.act_block not in rounded:
                     rounded[w.act_block] = round_activations(x, w.act_block)
                 xw = rounded[w.act_block]
-            out.append(self._matmul_rounded(xw, w, b))
+            out.append(self._multiply(xw, w, b))
         return out
 
     @staticmethod
-    def _matmul_rounded(x: mx.array, weight, bias) -> mx.array:
+    def _multiply(x: mx.array, weight, bias) -> mx.array:
+        """x (n, in) @ weight.T [+ bias]: MLX's quantized matmul, or a dense one."""
         if not isinstance(weight, MlxQuantWeight):
             out = x @ weight.T
         else:
