@@ -99,7 +99,7 @@ def test_k_quant_scales_are_a_local_optimum_under_an_imatrix(qtype):
     xs = x.reshape(rows, -1, 32)
     w = _search_weights(x, importance).reshape(xs.shape)
     stored = _k4_error(xs, w, (d * ls)[..., None], (dmin * lm)[..., None], nmax)
-    live = (d > 0)[..., 0] if d.ndim == 3 else d > 0
+    live = d > 0  # (rows, subs): super-blocks with a scale
     for ds in (-1, 0, 1):
         for dm in (-1, 0, 1):
             s, m = np.clip(ls + ds, 0, 63), np.clip(lm + dm, 0, 63)
