@@ -242,7 +242,7 @@ def load(model: str | os.PathLike = "qwen2.5-coder-0.5b-instruct", backend: str 
     bytes prepared); an exception from it aborts the load.
     """
     report = progress or _no_progress
-    pin_malloc_mmap_threshold()  # before anything large is allocated and freed
+    pin_malloc_settings()  # before anything large is allocated and freed
     if Path(model).is_dir():  # a Hugging Face folder: converted in memory
         from edgellm.converters.hf_convert import folder_as_gguf
 
@@ -326,10 +326,10 @@ TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
 #: runs each) ended at 894-898 MiB and +2.2..+5.3 MiB over its warm-up, and at 886.5-886.8
 #: MiB and +1.0..+1.7 MiB with two arenas
 ARENA_MAX = 2
-_threshold_pinned = False
+_malloc_pinned = False
 
 
-def pin_malloc_mmap_threshold() -> None:
+def pin_malloc_settings() -> None:
     """Fix glibc's mmap threshold at MMAP_THRESHOLD (its trim threshold at TRIM_THRESHOLD, its
     arena count at ARENA_MAX) for this process (once; elsewhere nothing).
 
@@ -339,10 +339,10 @@ def pin_malloc_mmap_threshold() -> None:
     the second or third cycle, for good. Pinned, a large block is unmapped when it is freed,
     and a load followed by a free leaves the process where it was.
     """
-    global _threshold_pinned
-    if _threshold_pinned:
+    global _malloc_pinned
+    if _malloc_pinned:
         return
-    _threshold_pinned = True
+    _malloc_pinned = True
     mallopt = _libc_function("mallopt")
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)

@@ -63,11 +63,11 @@ def test_small_arrays_stay_ordinary_and_large_ones_are_mapped():
 def test_pinned_mmap_threshold_hands_back_plain_numpy_blocks():
     """After edgellm pins glibc's mmap threshold (at load), freeing a large block no longer
     moves later blocks of its size into the heap: plain numpy arrays go back when freed."""
-    from edgellm.api import MMAP_THRESHOLD, _libc_function, pin_malloc_mmap_threshold
+    from edgellm.api import MMAP_THRESHOLD, _libc_function, pin_malloc_settings
 
     if _libc_function("mallopt") is None:
         pytest.skip("not glibc")
-    pin_malloc_mmap_threshold()
+    pin_malloc_settings()
     _free_in_heap_first()
     before = rss_kb()
     # blocks just over the pinned threshold (96 MiB in all), under the 30 MB the free above
@@ -86,8 +86,8 @@ ARENA_PROBE = """
 import ctypes, sys, threading
 import numpy as np
 if sys.argv[2] == "pinned":
-    from edgellm.api import pin_malloc_mmap_threshold
-    pin_malloc_mmap_threshold()
+    from edgellm.api import pin_malloc_settings
+    pin_malloc_settings()
 together = threading.Barrier(8)
 def work():
     blocks = [np.empty(1000 + i) for i in range(40)]  # 8 KB blocks: malloc's own

@@ -528,7 +528,7 @@ class CpuBackend(NumpyBackend):
     def attention(self, q, k, v, mask, scale, softcap=0.0):
         if k.dtype not in (np.float16, np.float32):
             return super().attention(q, k, v, mask, scale, softcap)
-        if self.native is not None and k.dtype == np.float16 and q.shape[-1] % 8 == 0:
+        if self._c_attention_takes(q, (k,)):
             return self._attention_f16(q, k, v, mask, scale, softcap)
         if q.shape[0] > ATTENTION_KERNEL_MAX_TOKENS:
             return self._attention_blocked(q, k, v, mask, scale, softcap)
@@ -550,10 +550,15 @@ class CpuBackend(NumpyBackend):
         sequence), the units shared across the threads; the same bits as ``attention`` gives
         each sequence alone. Other layouts take the per-sequence loop."""
         out = None
-        if (self.native is not None and q.shape[-1] % 8 == 0
-                and all(k.dtype == np.float16 and v.dtype == np.float16 for k, v, _ in parts)):
+        if self._c_attention_takes(q, [a for k, v, _ in parts for a in (k, v)]):
             out = self._attention_f16_parts(q, parts, scale, softcap)
         return super().attention_batch(q, parts, scale, softcap) if out is None else out
+
+    def _c_attention_takes(self, q, cached) -> bool:
+        """The C attention kernel's case: C kernels loaded, an f16 cache (``cached``: the
+        key/value arrays), a head size in 8s."""
+        return (self.native is not None and q.shape[-1] % 8 == 0
+                and all(a.dtype == np.float16 for a in cached))
 
     def _attention_f16_parts(self, q, parts, scale, softcap) -> np.ndarray | None:
         """q (N, H, hd) against one (k, v, mask) per sequence of its rows, in one C job; None
