@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from edgellm.backends.numpy_backend import NumpyBackend, round_activations_like_ggml  # noqa: E402
 from edgellm.backends.torch import kernels  # noqa: E402
 from edgellm.backends.torch.backend import round_activations_torch  # noqa: E402
-from edgellm.backends.torch.packing import KINDS, dequantize_planes, pack  # noqa: E402
+from edgellm.backends.torch.packing import K_QUANTS, KINDS, dequantize_planes, pack  # noqa: E402
 from edgellm.quants import Q, dequantize  # noqa: E402
 from tests.test_backend_conformance import random_tensor  # noqa: E402
 
@@ -50,16 +50,37 @@ def test_repacking_is_exact(qtype):
     assert np.array_equal(dequantize_planes(pack(tensor.data, qtype, 9, cols)), want)
 
 
+def _check_qmatvec(qtype, rows: int, cols: int, x: np.ndarray, seed: int) -> None:
+    """quantize_activations + qmatvec (+ a bias) against the rounded activations times the
+    dequantized weights."""
+    tensor = random_tensor(qtype, rows, cols, seed=seed)
+    w = dequantize(tensor.data, qtype).reshape(rows, cols)
+    bias = np.linspace(-1, 1, rows, dtype=np.float32)
+    p = uploaded(tensor, rows, cols)
+    xq, xd = kernels.quantize_activations(t(x), 256 if qtype in K_QUANTS else 32, p.padded)
+    got = kernels.qmatvec(xq, xd, p, t(bias)).cpu().numpy()
+    want = round_activations_like_ggml(x, qtype) @ w.T + bias
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_qmatvec(qtype, n):
-    rows, cols = 37, (512 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 224)
-    tensor = random_tensor(qtype, rows, cols, seed=n)
-    w = dequantize(tensor.data, qtype).reshape(rows, cols)
+    """The int8 mat-vec (dp4a on the GPU, byte arithmetic in the interpreter), padding (224
+    columns: 3.5 chunks) and a partial tile of rows (37) included."""
+    cols = 512 if qtype in K_QUANTS else 224
     x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
-    bias = np.linspace(-1, 1, rows, dtype=np.float32)
-    got = kernels.qmatvec(t(x), uploaded(tensor, rows, cols), t(bias)).cpu().numpy()
-    np.testing.assert_allclose(got, x @ w.T + bias, rtol=1e-4, atol=1e-4)
+    x[0, 5] = 40.0  # an outsized activation: its block's other values round coarsely
+    _check_qmatvec(qtype, 37, cols, x, seed=n)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+def test_qmatvec_split_k(qtype):
+    """K split among programs (few rows, long rows: the last program of a row block adds
+    the partial sums in split order), the bias added once, the counters reset."""
+    x = np.random.default_rng(9).standard_normal((2, 2560)).astype(np.float32)
+    _check_qmatvec(qtype, 21, 2560, x, seed=9)
+    assert all(not c.any() for c in kernels._split_counters.values())
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -86,6 +107,11 @@ def test_round_activations(qtype):
     got = kernels.round_activations(t(x), block).cpu().numpy()
     assert np.array_equal(got, round_activations_like_ggml(x, qtype))
     assert np.array_equal(got, round_activations_torch(torch.from_numpy(x), block).numpy())
+    xq, xd = kernels.quantize_activations(t(x), block, 576)  # padded: zeros past 512
+    q = xq.view(torch.int8).cpu().numpy().astype(np.float32)
+    d = np.repeat(xd.cpu().numpy(), 32, axis=1)
+    assert np.array_equal((q * d)[:, :512], got)
+    assert not q[:, 512:].any() and not d[:, 512:].any()
 
 
 def test_rms_norm_rope_glu():
@@ -107,3 +133,38 @@ def test_rms_norm_rope_glu():
                                REF.silu_mul(g, u), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(kernels.glu(t(g), t(u), True).cpu().numpy(),
                                REF.gelu_tanh_mul(g, u), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd", [(7, 1, 64), (12, 2, 128), (4, 1, 256),
+                                               (3, 3, 32), (40, 2, 64)])
+@pytest.mark.parametrize("n,T,window,ring,softcap", [(1, 1, 0, False, 0.0),
+                                                     (3, 50, 0, False, 30.0),
+                                                     (1, 300, 40, False, 0.0),
+                                                     (4, 100, 0, True, 30.0)])
+def test_attention_split_kernels(heads, kv_heads, hd, n, T, window, ring, softcap):
+    """The flash-decoding pair against the numpy reference over an f16 cache: one split and
+    several (300 slots: 10), GQA groups of 1..20, soft-capping, sliding windows (whole tiles
+    masked) and ring slots out of position order."""
+    rng = np.random.default_rng(T + heads)
+    q = rng.standard_normal((n, heads, hd)).astype(np.float32)
+    k = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
+    v = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
+    qpos = np.arange(T - n, T)[:, None]
+    kpos = np.arange(T)[None, :]
+    if ring:
+        kpos = np.roll(kpos, 77, axis=1)
+    mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
+    got = kernels.attention(t(q), t(k), t(v), t(mask), hd ** -0.5, softcap).cpu().numpy()
+    want = REF.attention(q, k, v, mask, hd ** -0.5, softcap)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_store_kv():
+    keys = torch.zeros((6, 2, 8), dtype=torch.float16, device=DEVICE)
+    values = torch.zeros_like(keys)
+    k = torch.randn((2, 2, 8), device=DEVICE)
+    v = torch.randn((2, 2, 8), device=DEVICE)
+    kernels.store_kv(keys, values, t(np.array([4, 1])), k, v)
+    assert torch.equal(keys[4], k[0].half()) and torch.equal(keys[1], k[1].half())
+    assert torch.equal(values[4], v[0].half()) and torch.equal(values[1], v[1].half())
+    assert not keys[[0, 2, 3, 5]].any() and not values[[0, 2, 3, 5]].any()

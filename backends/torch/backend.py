@@ -123,6 +123,9 @@ class TorchBackend(Backend):
             raise RuntimeError("torch backend: CUDA requested but torch sees no GPU")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda:  # prefill's f16 GEMMs: f32 partial sums (cuBLAS may otherwise split K
+            # into f16 partials, ~1e-2 off at the logits)
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         if threads and not self.cuda:
             torch.set_num_threads(int(threads))
         self.threads = int(threads or torch.get_num_threads())
@@ -239,41 +242,45 @@ class TorchBackend(Backend):
             return 0
         return 256 if qtype in K_QUANTS and K_QUANT_ACTS_PER_256 else 32
 
-    def _round(self, x: torch.Tensor, qtype: Q) -> torch.Tensor:
-        block = self._act_block(qtype)
+    def _activations(self, x: torch.Tensor, w: TorchWeight, done: dict):
+        """x as ``w`` multiplies it: as is (float weights), rounded to 8-bit blocks (f32, for
+        a GEMM), or as int8 blocks ``(xq, xd)`` for the mat-vec; once per group (``done``)."""
+        block = self._act_block(w.qtype)
         if not block:
             return x
-        if self.kernels is not None:
-            return self.kernels.round_activations(x, block)
-        return round_activations_torch(x, block)
+        matvec = w.planes is not None and x.shape[0] <= self.kernels.MATVEC_MAX_TOKENS
+        key = (block, w.planes.padded if matvec else 0)
+        if key not in done:
+            if matvec:
+                done[key] = self.kernels.quantize_activations(x, block, w.planes.padded)
+            elif self.kernels is not None:
+                done[key] = self.kernels.round_activations(x, block)
+            else:
+                done[key] = round_activations_torch(x, block)
+        return done[key]
 
     def matmul(self, x, weight: TorchWeight, bias=None) -> torch.Tensor:
         x = self.asarray(x).contiguous()
-        return self._matmul_rounded(self._round(x, weight.qtype), weight, bias)
+        return self._multiply(self._activations(x, weight, {}), weight, bias)
 
     def matmuls(self, x, weights: tuple, biases: tuple | None = None) -> list:
         """Several projections of one input, its activations rounded once per block size."""
         x = self.asarray(x).contiguous()
         biases = biases or (None,) * len(weights)
-        rounded: dict = {}
-        out = []
-        for w, b in zip(weights, biases, strict=True):
-            block = self._act_block(w.qtype)
-            if block not in rounded:
-                rounded[block] = self._round(x, w.qtype)
-            out.append(self._matmul_rounded(rounded[block], w, b))
-        return out
+        done: dict = {}
+        return [self._multiply(self._activations(x, w, done), w, b)
+                for w, b in zip(weights, biases, strict=True)]
 
-    def _matmul_rounded(self, x: torch.Tensor, w: TorchWeight, bias) -> torch.Tensor:
-        n = x.shape[0]
+    def _multiply(self, xa, w: TorchWeight, bias) -> torch.Tensor:
+        """xa (as ``_activations`` prepared it) @ w.T (+ bias)."""
+        if isinstance(xa, tuple):  # int8 blocks: the mat-vec (<= 8 tokens)
+            return self.kernels.qmatvec(*xa, w.planes, bias)
         if w.dense is not None:
-            out = x @ w.dense.T
+            out = xa @ w.dense.T
             return out + bias if bias is not None else out
-        if n <= self.kernels.MATVEC_MAX_TOKENS:
-            return self.kernels.qmatvec(x, w.planes, bias)
         half = torch.float16 if self.cuda else torch.float32  # (CPU f16 GEMMs are slow)
         dense = self.kernels.dequantize(w.planes, half)  # (rows, cols)
-        out = (x.to(half) @ dense.T).float()
+        out = (xa.to(half) @ dense.T).float()
         return out + bias if bias is not None else out
 
     def rms_norm(self, x, weight, eps: float) -> torch.Tensor:
@@ -332,29 +339,35 @@ class TorchBackend(Backend):
         return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).reshape(x.shape)
 
     def attention(self, q, k, v, mask, scale, softcap=0.0) -> torch.Tensor:
-        """q (n, H, hd) f32; k/v (T, KVH, hd) (the cache's dtype); mask (n, T) bool."""
+        """q (n, H, hd) f32; k/v (T, KVH, hd) (the cache's dtype); mask (n, T) bool.
+        Scores, softmax and sums in f32 (f16 queries would cost 1e-3 relative: more than
+        the reference checks allow)."""
         q, k, v = _plain(self.asarray(q)), _plain(self.asarray(k)), _plain(self.asarray(v))
         n, H, hd = q.shape
         kvh = k.shape[1]
+        group = H // kvh
         if not isinstance(mask, torch.Tensor):
             mask = torch.from_numpy(np.ascontiguousarray(mask, dtype=bool)).to(self.device)
-        dtype = k.dtype if self.cuda else torch.float32  # f16 on the GPU, as the cache
-        qh = q.to(dtype).transpose(0, 1)[None]  # (1, H, n, hd)
-        kh = k.to(dtype).transpose(0, 1)[None]  # (1, KVH, T, hd)
-        vh = v.to(dtype).transpose(0, 1)[None]
+        if (self.kernels is not None and n <= self.kernels.ATTENTION_MAX_QUERIES
+                and hd & (hd - 1) == 0):  # decode, speculative checks: two launches
+            return self.kernels.attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                          mask.contiguous(), scale, softcap)
+        kh = k.float().transpose(0, 1)[None]  # (1, KVH, T, hd)
+        vh = v.float().transpose(0, 1)[None]
         if softcap or not self.cuda:  # (CPU SDPA with a mask: ~40 ms a decode step)
-            group = H // kvh
-            kx = kh.repeat_interleave(group, dim=1).float()
-            scores = (qh.float() @ kx.transpose(-1, -2)) * scale
+            qh = q.transpose(0, 1)[None]  # (1, H, n, hd)
+            scores = (qh @ kh.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
             scores = scores.masked_fill(~mask[None, None], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
-            out = probs @ vh.repeat_interleave(group, dim=1).float()
-        else:
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[None, None],
-                                                 scale=scale, enable_gqa=kvh != H)
-        return out[0].transpose(0, 1).float()  # (n, H, hd)
+            return (probs @ vh.repeat_interleave(group, dim=1))[0].transpose(0, 1)
+        # the query heads of each KV head as one sequence of group * n rows: one SDPA call
+        # (f32, any mask) covers GQA without repeating K/V
+        qg = q.reshape(n, kvh, group, hd).permute(1, 2, 0, 3).reshape(1, kvh, group * n, hd)
+        out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask.repeat(group, 1)[None],
+                                             scale=scale)  # (1, KVH, group * n, hd)
+        return out.reshape(kvh, group, n, hd).permute(2, 0, 1, 3).reshape(n, H, hd)
 
     def silu_mul(self, gate, up) -> torch.Tensor:
         if self.kernels is not None:

@@ -35,15 +35,19 @@ class _StepLayer:
     """Model.attention's view of one layer inside a captured step."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor,
-                 mask: torch.Tensor):
+                 mask: torch.Tensor, kernels=None):
         self.keys, self.values, self.slot, self.mask = keys, values, slot, mask
+        self.kernels = kernels  # the triton kernels (GPU path), or None (CPU torch)
 
     def update_and_fetch(self, k, v):
         """Write k, v (1, KVH, hd) at the static slot; the storage (slots, KVH, hd) and the
         static mask (1, slots) to attend with."""
         keys, values = self.keys, self.values
-        keys.index_copy_(0, self.slot, k.to(keys.dtype))
-        values.index_copy_(0, self.slot, v.to(values.dtype))
+        if self.kernels is not None:
+            self.kernels.store_kv(keys, values, self.slot, k.contiguous(), v.contiguous())
+        else:
+            keys.index_copy_(0, self.slot, k.to(keys.dtype))
+            values.index_copy_(0, self.slot, v.to(values.dtype))
         return keys, values, self.mask
 
 
@@ -171,8 +175,7 @@ class DecodeGraphs:
                       host_i64.to(dev), host_masks.to(dev), spans,
                       stores=[(layer.store.keys, layer.store.values) for layer in cache.layers])
 
-    @staticmethod
-    def _inputs(cache: KVCache, g: _Graph) -> tuple:
+    def _inputs(self, cache: KVCache, g: _Graph) -> tuple:
         """(ids (1,), positions (1,), per-layer views) over the graph's device buffers."""
         layers = {}
         for gi, layer_ids in enumerate(g.groups):
@@ -180,7 +183,7 @@ class DecodeGraphs:
             slot = g.dev_i64[2 + gi:3 + gi]
             mask = g.dev_masks[s:s + length].view(1, length)
             for li in layer_ids:
-                layers[li] = _StepLayer(*g.stores[li], slot, mask)
+                layers[li] = _StepLayer(*g.stores[li], slot, mask, self.backend.kernels)
         return g.dev_i64[0:1], g.dev_i64[1:2], [layers[i] for i in range(len(layers))]
 
     def _capture(self, model, g: _Graph) -> None:

@@ -1,27 +1,37 @@
 """Triton kernels of the torch backend, over the planes of ``packing.py``.
 
-- ``qmatvec``: x (n <= 8, K) @ W.T for decode and speculative checks: each program takes
-  ``BN`` rows of W and walks K a few 64-weight chunks at a time; the weights are expanded
-  once per tile and used by every token.
+- ``quantize_activations`` + ``qmatvec``: x (n <= 8, K) @ W.T for decode and speculative
+  checks, in integers as llama.cpp's MMVQ does it: x as int8 blocks with a scale per 32
+  values (Q8_0 per 32, or Q8_K per 256 against K-quants: llama.cpp's CPU rounding), the
+  weights' 4-6 bit values packed four to a word, ``dp4a`` for each word, then per group
+  ``xd * (scale * sum(u q) + offset * sum(q))``. Matrices with few rows split K among
+  programs; the last program of a row block adds the partial sums in a fixed order.
 - ``dequantize``: W (or some of its rows: embedding lookups) to f16/f32, for prefill GEMMs.
-- ``round_activations``: x rounded to 8-bit blocks as llama.cpp rounds activations (Q8_0 per
-  32, Q8_K per 256), so that logits follow llama.cpp's where 8-bit blocks matter.
-- ``rms_norm``, ``rope``, ``glu``: one launch each instead of a handful of torch ops (in
-  decode, launches rather than bytes set the pace).
+- ``round_activations``: x rounded to those 8-bit blocks, in float (the GEMM's input).
+- ``attention``: flash-decoding for <= 8 queries: programs over (token, head, 32 key slots)
+  in f32 from the f16 cache, then one combining program per head.
+- ``rms_norm``, ``rope``, ``glu``, ``store_kv``: one launch each instead of a handful of
+  torch ops (in decode, launches rather than bytes set much of the pace).
 
 They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
-from .packing import CHUNK, Planes
+from edgellm.quants import Q
+
+from .packing import CHUNK, KINDS, Planes
 
 #: tokens up to which a matmul runs the mat-vec kernel (above: dequantize + GEMM)
 MATVEC_MAX_TOKENS = 8
-_MAGIC = 12582912.0  # 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 to the nearest even int
+#: 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 to the nearest even int (a constexpr: triton
+#: kernels may read no other globals)
+_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -84,33 +94,196 @@ def _weights_tile(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c, cm
 
 
 @triton.jit
-def _qmatvec_kernel(x_ptr, out_ptr, bias_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr,
-                    N, K, nq, ng, nsup, n_chunks,
-                    M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr,
-                    CH: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _dp4a(a, b, c, INTERP: tl.constexpr):
+    """c + the dot product of a's 4 unsigned bytes with b's 4 signed bytes (int32 words):
+    one ``dp4a`` instruction on the GPU, byte arithmetic in the interpreter."""
+    if INTERP:
+        r = c
+        for k in tl.static_range(4):
+            r += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+        return r
+    else:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _spread_bits(h, WIDTH: tl.constexpr):
+    """The low 4 * WIDTH bits of h (WIDTH per weight, 4 weights) moved to bit 4 of each of
+    the 4 bytes of a word: the weights' bits above the fourth, ready to OR into nibbles."""
+    if WIDTH == 1:
+        return ((h & 1) << 4) | ((h & 2) << 11) | ((h & 4) << 18) | ((h & 8) << 25)
+    else:
+        return (((h & 3) << 4) | ((h & 0xC) << 10) | ((h & 0x30) << 16)
+                | ((h & 0xC0) << 22))
+
+
+@triton.jit
+def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, qh_ptr, s_ptr,
+                m_ptr, d_ptr, dm_ptr, N, KW, nqw, ng, nsup, n_chunks, cps, n_splits,
+                M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr,
+                CH: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                INTERP: tl.constexpr):
+    """out (M, N) = x @ W.T with x as int8 blocks: xq (M, KW) int32 words of 4 int8 values,
+    xd (M, KW / 8) f32 the scale of each 32 values. Per 16 weights of a row (a quarter
+    chunk: 4 words of u bytes), integer dot products with dp4a; then per group
+    xd * (scale * sum(u q) + offset * sum(q)). Tiles are (BN rows, CH chunks, 2 sixteens
+    per half chunk, 4 words). Program (i, j) takes rows i * BN.. and chunks j * cps.. (a
+    split of K when rows alone give too few programs): its partial sums go to part[j], and
+    the last split of a row block to finish (a counter per block) adds them up in split
+    order, so the result does not depend on which finished first."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
+    c_end = tl.minimum(split * cps + cps, n_chunks)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    i = tl.arange(0, 32)
+    r = rows.to(tl.int64)[:, None, None, None]
+    sub = tl.arange(0, 2)[None, None, :, None]
+    jj = tl.arange(0, 4)[None, None, None, :]
+    word = sub * 4 + jj  # word of its half chunk (8 words: 32 weights)
+    xsub = tl.arange(0, 2)[None, :, None]
+    xj = tl.arange(0, 4)[None, None, :]
+    ones = tl.full((1, CH, 2, 4), 0x01010101, tl.int32)  # dp4a with it: sums of q
+    zero_x = tl.zeros((1, CH, 2, 4), tl.int32)
     mcol = tl.arange(0, MP)
     acc = tl.zeros((BN, MP), dtype=tl.float32)
-    for c0 in range(0, n_chunks, CH):
+    for c0 in range(split * cps, c_end, CH):
         c = c0 + tl.arange(0, CH)
-        cmask = c < n_chunks
-        w_lo, w_hi = _weights_tile(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows64, rmask,
-                                   c, cmask, nq, ng, nsup, KIND)
-        k_lo = c[:, None] * 64 + i[None, :]  # (CH, 32)
+        cmask = c < c_end
+        cc = c[None, :, None, None]
+        mk = rmask[:, None, None, None] & cmask[None, :, None, None]
+        if KIND == 0:  # Q8_0: a byte per weight, 16 words a chunk
+            w_lo = tl.load(q_ptr + r * nqw + cc * 16 + word, mask=mk, other=0)
+            w_hi = tl.load(q_ptr + r * nqw + cc * 16 + 8 + word, mask=mk, other=0)
+        else:  # nibbles: byte i of a chunk holds weights i and 32 + i
+            w = tl.load(q_ptr + r * nqw + cc * 8 + word, mask=mk, other=0)
+            w_lo = w & 0x0F0F0F0F
+            w_hi = (w >> 4) & 0x0F0F0F0F
+        if KIND == 3 or KIND == 4 or KIND == 6:  # a fifth bit, a word per 32 weights
+            h_lo = tl.load(qh_ptr + r * ng + cc * 2, mask=mk, other=0)
+            h_hi = tl.load(qh_ptr + r * ng + cc * 2 + 1, mask=mk, other=0)
+            w_lo = w_lo | _spread_bits(h_lo >> (4 * word), 1)
+            w_hi = w_hi | _spread_bits(h_hi >> (4 * word), 1)
+        if KIND == 7:  # Q6_K: two more bits, a word per 16 weights
+            h_lo = tl.load(qh_ptr + r * (2 * ng) + cc * 4 + sub, mask=mk, other=0)
+            h_hi = tl.load(qh_ptr + r * (2 * ng) + cc * 4 + 2 + sub, mask=mk, other=0)
+            w_lo = w_lo | _spread_bits(h_lo >> (8 * jj), 2)
+            w_hi = w_hi | _spread_bits(h_hi >> (8 * jj), 2)
+        # per-group scale and offset, (BN, CH, 2): one per sixteen (equal within a half
+        # chunk except for Q6_K)
+        r3 = rows.to(tl.int64)[:, None, None]
+        c3 = c[None, :, None]
+        s3 = tl.arange(0, 2)[None, None, :]
+        mk3 = rmask[:, None, None] & cmask[None, :, None]
+        if KIND <= 4:
+            s_lo = tl.load(s_ptr + r3 * ng + c3 * 2 + s3 * 0, mask=mk3, other=0).to(tl.float32)
+            s_hi = tl.load(s_ptr + r3 * ng + c3 * 2 + 1 + s3 * 0, mask=mk3,
+                           other=0).to(tl.float32)
+            if KIND == 2 or KIND == 4:
+                o_lo = tl.load(m_ptr + r3 * ng + c3 * 2 + s3 * 0, mask=mk3,
+                               other=0).to(tl.float32)
+                o_hi = tl.load(m_ptr + r3 * ng + c3 * 2 + 1 + s3 * 0, mask=mk3,
+                               other=0).to(tl.float32)
+            else:
+                unit = -128.0 if KIND == 0 else (-8.0 if KIND == 1 else -16.0)
+                o_lo = s_lo * unit
+                o_hi = s_hi * unit
+        elif KIND == 5 or KIND == 6:
+            dd = tl.load(d_ptr + r3 * nsup + c3 // 4 + s3 * 0, mask=mk3, other=0).to(tl.float32)
+            dmin = tl.load(dm_ptr + r3 * nsup + c3 // 4 + s3 * 0, mask=mk3,
+                           other=0).to(tl.float32)
+            s_lo = dd * tl.load(s_ptr + r3 * ng + c3 * 2 + s3 * 0, mask=mk3,
+                                other=0).to(tl.float32)
+            s_hi = dd * tl.load(s_ptr + r3 * ng + c3 * 2 + 1 + s3 * 0, mask=mk3,
+                                other=0).to(tl.float32)
+            o_lo = -(dmin * tl.load(m_ptr + r3 * ng + c3 * 2 + s3 * 0, mask=mk3,
+                                    other=0).to(tl.float32))
+            o_hi = -(dmin * tl.load(m_ptr + r3 * ng + c3 * 2 + 1 + s3 * 0, mask=mk3,
+                                    other=0).to(tl.float32))
+        else:
+            dd = tl.load(d_ptr + r3 * nsup + c3 // 4 + s3 * 0, mask=mk3, other=0).to(tl.float32)
+            s_lo = dd * tl.load(s_ptr + r3 * (2 * ng) + c3 * 4 + s3, mask=mk3,
+                                other=0).to(tl.float32)
+            s_hi = dd * tl.load(s_ptr + r3 * (2 * ng) + c3 * 4 + 2 + s3, mask=mk3,
+                                other=0).to(tl.float32)
+            o_lo = s_lo * -32.0
+            o_hi = s_hi * -32.0
+        zero = tl.zeros((BN, CH, 2, 4), tl.int32)
+        xmask = cmask[:, None, None]
         for m in tl.static_range(M):
-            x_lo = tl.load(x_ptr + m * K + k_lo, mask=k_lo < K, other=0.0)
-            x_hi = tl.load(x_ptr + m * K + k_lo + 32, mask=k_lo + 32 < K, other=0.0)
-            part = tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2),
-                          axis=1)  # (BN,)
+            xc = xq_ptr + m * KW + c[:, None, None] * 16 + xsub * 4 + xj  # (CH, 2, 4)
+            x_lo = tl.load(xc, mask=xmask, other=0)
+            x_hi = tl.load(xc + 8, mask=xmask, other=0)
+            i_lo = tl.sum(_dp4a(w_lo, tl.broadcast_to(x_lo[None], (BN, CH, 2, 4)), zero,
+                                INTERP), axis=3).to(tl.float32)  # (BN, CH, 2)
+            i_hi = tl.sum(_dp4a(w_hi, tl.broadcast_to(x_hi[None], (BN, CH, 2, 4)), zero,
+                                INTERP), axis=3).to(tl.float32)
+            q_lo = tl.sum(_dp4a(ones, x_lo[None], zero_x, INTERP), axis=3).to(tl.float32)
+            q_hi = tl.sum(_dp4a(ones, x_hi[None], zero_x, INTERP), axis=3).to(tl.float32)
+            xd_lo = tl.load(xd_ptr + m * (KW // 8) + c * 2, mask=cmask, other=0.0)
+            xd_hi = tl.load(xd_ptr + m * (KW // 8) + c * 2 + 1, mask=cmask, other=0.0)
+            part = (xd_lo[None, :, None] * (s_lo * i_lo + o_lo * q_lo)
+                    + xd_hi[None, :, None] * (s_hi * i_hi + o_hi * q_hi))
+            part = tl.sum(tl.sum(part, axis=2), axis=1)  # (BN,)
             acc += tl.where(mcol[None, :] == m, part[:, None], 0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0)[:, None]
-    tl.store(out_ptr + mcol[None, :] * N + rows[:, None], acc,
-             mask=rmask[:, None] & (mcol[None, :] < M))
+        bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0)
+        acc += tl.where(split == 0, bias, 0.0)[:, None]  # once, by the first split
+    omask = rmask[:, None] & (mcol[None, :] < M)
+    at = mcol[None, :] * N + rows[:, None]  # (BN, MP) in the (M, N) output
+    if SPLIT_K:
+        tl.store(part_ptr + split * (M * N) + at, acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial written before the count is released
+        finished = tl.atomic_add(count_ptr + pid, 1)  # acq_rel: sees the others' partials
+        if finished == n_splits - 1:
+            total = tl.zeros((BN, MP), dtype=tl.float32)
+            for j in range(0, n_splits):
+                total += tl.load(part_ptr + j * (M * N) + at, mask=omask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + at, total, mask=omask)
+            tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch
+    else:
+        tl.store(out_ptr + at, acc, mask=omask)
+
+
+@triton.jit
+def _block_q8(x, j, BLOCK: tl.constexpr, K_QUANT: tl.constexpr):
+    """One block of activations x (BLOCK,) as llama.cpp's CPU rounds it: (q as f32 integers,
+    d). Q8_K (per 256): iscale = -127/peak (the first largest |x|, signed),
+    q = min(127, rint(x * iscale)), d = 1/iscale; x86 Q8_0 (per 32): q = rint(x * 127/amax),
+    d = f16(amax/127)."""
+    ax = tl.abs(x)
+    amax = tl.max(ax, axis=0)
+    if K_QUANT:
+        first = tl.min(tl.where(ax == amax, j, BLOCK), axis=0)  # first index of the peak
+        peak = tl.sum(tl.where(j == first, x, 0.0), axis=0)
+        safe = tl.where(peak == 0.0, 1.0, peak)
+        iscale = tl.math.div_rn(-127.0, safe)
+        q = tl.minimum(((x * iscale) + _MAGIC) - _MAGIC, 127.0)
+        d = tl.where(peak == 0.0, 0.0, tl.math.div_rn(1.0, iscale))
+    else:
+        safe = tl.where(amax == 0.0, 1.0, amax)
+        q = ((x * tl.math.div_rn(127.0, safe)) + _MAGIC) - _MAGIC
+        d = tl.where(amax == 0.0, 0.0, tl.math.div_rn(safe, 127.0))
+        d = d.to(tl.float16).to(tl.float32)
+    return q, d
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, d_ptr, K, KP, BLOCK: tl.constexpr, K_QUANT: tl.constexpr):
+    """One block of one row of x (n, K) f32 as int8 q (n, KP) and its scale, repeated per
+    32 values in d (n, KP / 32): the numbers _round_kernel rounds to (q * d), kept apart
+    for integer dot products. Blocks past K (the weights' padding to 64) are zeros."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    j = tl.arange(0, BLOCK)
+    ok = blk * BLOCK + j < K
+    x = tl.load(x_ptr + row * K + blk * BLOCK + j, mask=ok, other=0.0)
+    q, d = _block_q8(x, j, BLOCK, K_QUANT)
+    tl.store(q_ptr + row * KP + blk * BLOCK + j, q.to(tl.int8), mask=blk * BLOCK + j < KP)
+    g = blk * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    tl.store(d_ptr + row * (KP // 32) + g, tl.zeros_like(g.to(tl.float32)) + d,
+             mask=g < KP // 32)
 
 
 @triton.jit
@@ -139,26 +312,12 @@ def _dequant_kernel(out_ptr, ids_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr
 
 @triton.jit
 def _round_kernel(x_ptr, out_ptr, K, BLOCK: tl.constexpr, K_QUANT: tl.constexpr):
-    """One block of one row: Q8_K (per 256: iscale = -127/peak, q = min(127, rint(x*iscale)),
-    d = 1/iscale) or x86 Q8_0 (per 32: q = rint(x * 127/amax), d = f16(amax/127))."""
+    """One block of one row rounded (``_block_q8``), as f32 q * d."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     j = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * K + blk * BLOCK + j)
-    ax = tl.abs(x)
-    amax = tl.max(ax, axis=0)
-    if K_QUANT:
-        first = tl.min(tl.where(ax == amax, j, BLOCK), axis=0)  # first index of the peak
-        peak = tl.sum(tl.where(j == first, x, 0.0), axis=0)
-        safe = tl.where(peak == 0.0, 1.0, peak)
-        iscale = tl.math.div_rn(-127.0, safe)
-        q = tl.minimum(((x * iscale) + _MAGIC) - _MAGIC, 127.0)
-        d = tl.where(peak == 0.0, 0.0, tl.math.div_rn(1.0, iscale))
-    else:
-        safe = tl.where(amax == 0.0, 1.0, amax)
-        q = ((x * tl.math.div_rn(127.0, safe)) + _MAGIC) - _MAGIC
-        d = tl.where(amax == 0.0, 0.0, tl.math.div_rn(safe, 127.0))
-        d = d.to(tl.float16).to(tl.float32)
+    q, d = _block_q8(x, j, BLOCK, K_QUANT)
     tl.store(out_ptr + row * K + blk * BLOCK + j, q * d)
 
 
@@ -210,9 +369,87 @@ def _glu_kernel(g_ptr, u_ptr, out_ptr, n, GELU: tl.constexpr, BLOCK: tl.constexp
     tl.store(out_ptr + offs, act * u, mask=ok)
 
 
+@triton.jit
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, T, H, KVH,
+                       n_splits, scale, softcap, G: tl.constexpr, HD: tl.constexpr,
+                       BT: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Attention of one token's query head over SPLIT key slots: the running max, sum of
+    exponentials and weighted sum of values (flash-decoding's partial results), in f32
+    from the cache's f16 (or f32) keys and values. A program per (token, head, split):
+    enough of them at one token to fill a GPU."""
+    tok = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    kvh = h // G
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + (tok * H + h).to(tl.int64) * HD + d) * scale  # (HD,)
+    m_i = tl.full((1,), float("-inf"), tl.float32)
+    l_i = tl.zeros((1,), tl.float32)
+    acc = tl.zeros((HD,), tl.float32)
+    for t0 in range(sp * SPLIT, sp * SPLIT + SPLIT, BT):
+        t = t0 + tl.arange(0, BT)
+        valid = tl.load(mask_ptr + tok.to(tl.int64) * T + t, mask=t < T, other=0) != 0
+        if tl.max(valid.to(tl.int32), axis=0) > 0:  # a tile the mask hides costs nothing
+            kv = (t.to(tl.int64) * KVH + kvh) * HD
+            k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=valid[:, None],
+                        other=0.0).to(tl.float32)  # (BT, HD)
+            s = tl.sum(k * q[None, :], axis=1)  # (BT,)
+            if SOFTCAP:
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # tanh
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))  # (1,)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe)  # (BT,)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=valid[:, None],
+                        other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m_i = m_new
+    part = (tok * H + h) * n_splits + sp
+    one = tl.arange(0, 1)
+    tl.store(m_ptr + part + one, m_i)
+    tl.store(l_ptr + part + one, l_i)
+    tl.store(acc_ptr + part.to(tl.int64) * HD + d, acc)
+
+
+@triton.jit
+def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, n_splits, HD: tl.constexpr,
+                         NS: tl.constexpr):
+    """One query head's output (program (token, head)) from its partial results."""
+    row = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)  # token * H + head
+    s = tl.arange(0, NS)
+    d = tl.arange(0, HD)
+    sm = s < n_splits
+    part = row * n_splits + s
+    m = tl.load(m_ptr + part, mask=sm, other=float("-inf"))
+    l_s = tl.load(l_ptr + part, mask=sm, other=0.0)
+    top = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))  # (NS,)
+    acc = tl.load(acc_ptr + part.to(tl.int64)[:, None] * HD + d[None, :], mask=sm[:, None],
+                  other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(out_ptr + row.to(tl.int64) * HD + d, out)
+
+
+@triton.jit
+def _store_kv_kernel(keys_ptr, values_ptr, slots_ptr, k_ptr, v_ptr, ROW: tl.constexpr,
+                     RP: tl.constexpr):
+    """Token i's keys and values (KVH * hd f32) into cache slot slots[i], converted to
+    the cache's dtype: one launch for what index_copy_ and two casts do in four."""
+    i = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, RP)
+    ok = j < ROW
+    slot = tl.load(slots_ptr + i)
+    k = tl.load(k_ptr + i * ROW + j, mask=ok)
+    v = tl.load(v_ptr + i * ROW + j, mask=ok)
+    tl.store(keys_ptr + slot * ROW + j, k.to(keys_ptr.dtype.element_ty), mask=ok)
+    tl.store(values_ptr + slot * ROW + j, v.to(values_ptr.dtype.element_ty), mask=ok)
+
+
 # -- launchers ----------------------------------------------------------------------------
-def _plane_args(p: Planes) -> tuple:
-    q = p.q
+def _plane_args(p: Planes, q=None) -> tuple:
+    q = p.q if q is None else q
     dummy = q  # absent planes are never read (their KIND branch is compiled out)
     return (q, dummy if p.qh is None else p.qh, p.s, dummy if p.m is None else p.m,
             dummy if p.d is None else p.d, dummy if p.dm is None else p.dm)
@@ -224,25 +461,82 @@ def _geometry(p: Planes) -> tuple[int, int, int, int]:
     return p.q.shape[1], p.padded // 32, nsup, p.padded // CHUNK
 
 
-#: (rows per program, chunks per step, warps) of the mat-vec kernel, per block type
-MATVEC_TILES: dict[int, tuple[int, int, int]] = {}
-DEFAULT_TILE = (8, 4, 4)
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def qmatvec(x, p: Planes, bias=None, out=None):
-    """x (n <= 8, K) f32 contiguous @ W.T (+ bias) -> (n, N) f32."""
+#: (rows per program, chunks per step, warps) of the mat-vec kernel, per block type: the best
+#: over the 1.5B's matrices on an H200 (benchmarks/torch_matvec.py --tiles)
+MATVEC_TILES: dict[int, tuple[int, int, int]] = {KINDS[Q.Q4_K]: (8, 8, 4)}
+DEFAULT_TILE = (16, 8, 4)
+#: programs per multiprocessor a mat-vec aims for: below it, K is split among programs
+PROGRAMS_PER_SM = 16
+_sm_counts: dict = {}
+_split_counters: dict = {}  # device -> int32 counters of the split-K mat-vec (self-resetting)
+
+
+def _counters(device, n: int):
+    """Zeroed int32 counters, one per row block of a split-K mat-vec; each launch's last
+    programs set theirs back to zero, so one buffer serves every launch (and CUDA graphs)."""
+    import torch
+
+    buf = _split_counters.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _split_counters[device] = torch.zeros(max(n, 8192), dtype=torch.int32,
+                                                    device=device)
+    return buf
+
+
+def _multiprocessors(device) -> int:
+    """The GPU's multiprocessor count (4 in the interpreter, so that tests split K too)."""
+    if device.type != "cuda":
+        return 4
+    if device not in _sm_counts:
+        import torch
+
+        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_counts[device]
+
+
+def quantize_activations(x, block: int, padded: int):
+    """x (n, K) f32 as 8-bit blocks for the mat-vec: (xq (n, padded / 4) int32 words of
+    four int8 values, xd (n, padded / 32) f32 scale per 32 values), zeros past K; q * d
+    equals ``round_activations(x, block)``."""
     import torch
 
     n, K = x.shape
-    if out is None:
-        out = torch.empty((n, p.rows), dtype=torch.float32, device=x.device)
+    q = torch.empty((n, padded), dtype=torch.int8, device=x.device)
+    d = torch.empty((n, padded // 32), dtype=torch.float32, device=x.device)
+    _quantize_kernel[(n, triton.cdiv(padded, block))](x, q, d, K, padded, BLOCK=block,
+                                           K_QUANT=block == 256,
+                                           num_warps=1 if block == 32 else 2)
+    return q.view(torch.int32), d
+
+
+def qmatvec(xq, xd, p: Planes, bias=None):
+    """x @ W.T (+ bias) -> (n, N) f32 for n <= 8 tokens, x as ``quantize_activations``
+    gives it (blocks of the size the weight type is multiplied with)."""
+    import torch
+
+    n = xq.shape[0]
     bn, ch, warps = MATVEC_TILES.get(p.kind, DEFAULT_TILE)
     nq, ng, nsup, n_chunks = _geometry(p)
-    grid = (triton.cdiv(p.rows, bn),)
-    _qmatvec_kernel[grid](x, out, bias if bias is not None else x, *_plane_args(p),
-                          p.rows, K, nq, ng, nsup, n_chunks, M=n,
-                          MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn, CH=ch,
-                          HAS_BIAS=bias is not None, num_warps=warps)
+    programs = triton.cdiv(p.rows, bn)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(xq.device), programs)
+    splits = max(1, min(triton.cdiv(n_chunks, ch), wanted))
+    cps = triton.cdiv(triton.cdiv(n_chunks, splits), ch) * ch  # chunks per split
+    splits = triton.cdiv(n_chunks, cps)
+    out = torch.empty((n, p.rows), dtype=torch.float32, device=xq.device)
+    part, counts = out, xq  # (unused without a split)
+    if splits > 1:
+        part = torch.empty((splits, n, p.rows), dtype=torch.float32, device=xq.device)
+        counts = _counters(xq.device, programs)
+    _qmv_kernel[(programs, splits)](
+        xq, xd, out, part, counts, bias if bias is not None else xd,
+        *_plane_args(p, p.q.view(torch.int32)), p.rows, xq.shape[1], nq // 4, ng, nsup,
+        n_chunks, cps, splits, M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn, CH=ch,
+        HAS_BIAS=bias is not None, SPLIT_K=splits > 1, INTERP=_interpreting(),
+        num_warps=warps)
     return out
 
 
@@ -305,3 +599,40 @@ def glu(gate, up, gelu: bool):
     _glu_kernel[(triton.cdiv(n, block),)](gate, up, out, n, GELU=gelu, BLOCK=block,
                                           num_warps=4)
     return out
+
+
+#: queries up to which attention runs the split kernels (above: the caller's SDPA)
+ATTENTION_MAX_QUERIES = 8
+
+
+def attention(q, k, v, mask, scale: float, softcap: float = 0.0):
+    """q (n, H, hd) f32 contiguous; k, v (T, KVH, hd) f16 or f32 contiguous; mask (n, T)
+    bool -> (n, H, hd) f32. Split over the key slots (flash-decoding), then combined: enough
+    programs for a GPU at one token. hd must be a power of two."""
+    import torch
+
+    n, H, hd = q.shape
+    T, kvh = k.shape[0], k.shape[1]
+    bt = 32
+    split = max(bt, triton.next_power_of_2(triton.cdiv(T, 256)))  # <= 256 splits
+    n_splits = triton.cdiv(T, split)
+    dev = q.device
+    m = torch.empty((n, H, n_splits), dtype=torch.float32, device=dev)
+    l_s = torch.empty_like(m)
+    acc = torch.empty((n, H, n_splits, hd), dtype=torch.float32, device=dev)
+    _attn_split_kernel[(n, H, n_splits)](
+        q, k, v, mask.view(torch.uint8), m, l_s, acc, T, H, kvh, n_splits, scale,
+        softcap or 1.0, G=H // kvh, HD=hd, BT=bt, SPLIT=split, SOFTCAP=bool(softcap),
+        num_warps=2 if hd <= 128 else 4)
+    out = torch.empty((n, H, hd), dtype=torch.float32, device=dev)
+    _attn_combine_kernel[(n, H)](m, l_s, acc, out, n_splits, HD=hd,
+                                 NS=max(triton.next_power_of_2(n_splits), 2), num_warps=1)
+    return out
+
+
+def store_kv(keys, values, slots, k, v) -> None:
+    """keys[slots] = k and values[slots] = v (k, v: (n, KVH, hd) f32 contiguous; slots: (n,)
+    int64 on the device), converted to the storage's dtype, in one launch."""
+    row = k.shape[1] * k.shape[2]
+    _store_kv_kernel[(k.shape[0],)](keys, values, slots, k, v, ROW=row,
+                                    RP=triton.next_power_of_2(row), num_warps=1)

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One run on a lent NVIDIA GPU (the `device` tool), from the repository root there:
+# the torch backend's tests on CUDA, then speed on full-size synthetic copies of the three
+# models (benchmarks/synthetic_gguf.py: the real files' headers, random blocks), beside
+# llama.cpp's CUDA llama-bench on the same files when one is carried.
+#
+# Carried in .device/ (git-ignored): whl/ (packages the machine lacks: gguf, cffi, ...),
+# skel/*.skel.gz (synthetic_gguf.py skeleton of each model), llama/ (optional:
+# llama-bench.xz, built with -DGGML_CUDA=ON against CUDA 13, and lib/libgomp.so.1).
+# Logs go to $OUT. STEPS picks what runs (default: all).
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/edgellm-out}
+STEPS=${STEPS:-"tests bench profile matvec sweep llama"}
+mkdir -p "$OUT" /tmp/m
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .device/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+# the package layout of pyproject's package-dir, without installing: edgellm.backends etc.
+for d in backends converters apps native tests; do ln -sfn "../$d" "edgellm/$d"; done
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+for s in .device/skel/*.skel.gz; do
+    python3 benchmarks/synthetic_gguf.py fill "$s" "/tmp/m/$(basename "$s" .skel.gz).gguf" &
+done
+if has tests; then
+    echo "== tests on CUDA"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_torch_kernels.py \
+        tests/test_torch_models.py tests/test_backend_conformance.py -k "torch and not teacher" \
+        > "$OUT/pytest.log" 2>&1
+    echo "pytest rc=$?"; tail -n 25 "$OUT/pytest.log"
+fi
+wait
+ls -la /tmp/m
+MODELS=(/tmp/m/gemma-3-270m-q4_k_m.gguf /tmp/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+        /tmp/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf)
+LLAMA=""
+if has llama && [ -f .device/llama/llama-bench.xz ]; then  # built with CUDA elsewhere
+    xz -dc .device/llama/llama-bench.xz > /tmp/llama-bench && chmod +x /tmp/llama-bench
+    libs=$(find /usr/local /opt -name 'libcublas.so.13' -o -name 'libcudart.so.13' 2>/dev/null \
+           | xargs -r -n1 dirname | sort -u | tr '\n' ':')
+    export LD_LIBRARY_PATH="${libs}$PWD/.device/llama/lib:${LD_LIBRARY_PATH:-}"
+    /tmp/llama-bench --list-devices 2>&1 | tail -n 3 && LLAMA=/tmp/llama-bench
+fi
+if has bench; then
+    for m in "${MODELS[@]}"; do
+        if [ -n "$LLAMA" ]; then
+            echo "== llama-bench CUDA $(basename "$m")"
+            timeout 100 "$LLAMA" -m "$m" -p 512 -n 128 -r 3 -ngl 99 -o md 2>&1 \
+                | tee -a "$OUT/llama-bench.md" | grep -E "^\|" | tail -n 2
+        fi
+        echo "== edgellm bench --backend torch $(basename "$m")"
+        timeout 100 python3 -m edgellm.apps.cli bench -m "$m" --backend torch -p 512 -n 128 \
+            -r 3 -o json > "$OUT/bench-$(basename "$m" .gguf).json" 2> "$OUT/bench.err"
+        echo "rc=$?"; tail -n 3 "$OUT/bench.err"
+        python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s', {k: r.get(k) for k in ('capture_s','peak_device_memory','device_weight_bytes','kv_bytes','bandwidth','peak_bandwidth','ttft_ms')}) for r in json.load(open(sys.argv[1]))]" "$OUT/bench-$(basename "$m" .gguf).json"
+    done
+fi
+if has profile; then
+    echo "== decode profile (1.5B)"
+    timeout 90 python3 benchmarks/torch_profile.py "${MODELS[2]}" 2>&1 | tee "$OUT/profile.txt" | tail -n 40
+fi
+if has matvec; then
+    echo "== mat-vec GB/s"
+    timeout 60 python3 benchmarks/torch_matvec.py 2>&1 | tail -n 20
+fi
+if has sweep; then
+    echo "== mat-vec tile sweep"
+    timeout 120 python3 benchmarks/torch_matvec.py --tiles 2>&1 | tee "$OUT/sweep.txt" | tail -n 14
+fi
+

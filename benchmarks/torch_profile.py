@@ -1,0 +1,100 @@
+"""Where CUDA prefill and decode time goes: kernels and device time per kernel name, from
+torch's profiler over a prompt and over eager (uncaptured) decode steps, then the same steps
+replayed as CUDA graphs, timed with events. Needs CUDA.
+
+    python benchmarks/torch_profile.py MODEL.gguf [--steps 16] [--prompt 512]
+
+Eager steps show what a graph holds (kernel count, the device time each kernel type takes);
+the graph's time per step against the sum of its kernels' device time is the launch and
+dependency overhead that fusing kernels would remove.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+
+import edgellm
+
+
+def _decode(net, cache, steps: int, token: int = 100) -> None:
+    ids = np.array([token])
+    for _ in range(steps):
+        net.forward(ids, cache)
+
+
+def _profiled(label: str, run, per: int) -> None:
+    """Device time per kernel name over ``run()``, divided by ``per`` (steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    launches = sum(e.count for e in events) / per
+    device_us = sum(e.self_device_time_total for e in events) / per
+    print(f"{label}: {launches:.0f} kernels/step, {device_us:.0f} us device time/step")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
+        print(f"  {e.self_device_time_total / per:8.1f} us  "
+              f"{e.count / per:6.1f}/step  {e.key[:90]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("model")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=512, help="prefill profiled (0: none)")
+    args = ap.parse_args()
+
+    os.environ["EDGELLM_CUDA_GRAPHS"] = "0"
+    eager = edgellm.load(args.model, backend="torch")
+    if args.prompt:
+        tokens = np.arange(100, 100 + args.prompt)
+        eager.net.forward(tokens, eager.make_cache(args.prompt))  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        eager.net.forward(tokens, eager.make_cache(args.prompt))
+        torch.cuda.synchronize()
+        print(f"prefill {args.prompt}: {1e3 * (time.perf_counter() - start):.1f} ms wall")
+        _profiled(f"prefill {args.prompt}",
+                  lambda: eager.net.forward(tokens, eager.make_cache(args.prompt)), 1)
+    cache = eager.make_cache(256)
+    eager.net.forward(np.arange(100, 132), cache)  # a 32-token prompt
+    _decode(eager.net, cache, 4)  # warm-up: triton compiles
+    torch.cuda.synchronize()
+    _profiled("eager decode", lambda: _decode(eager.net, cache, args.steps), args.steps)
+    start = time.perf_counter()
+    _decode(eager.net, cache, args.steps)
+    torch.cuda.synchronize()
+    print(f"eager wall: {1e3 * (time.perf_counter() - start) / args.steps:.2f} ms/step")
+    eager.close()  # (frees the eager copy before the graphed one loads)
+
+    os.environ["EDGELLM_CUDA_GRAPHS"] = "1"
+    graphed = edgellm.load(args.model, backend="torch")
+    cache = graphed.make_cache(256)
+    graphed.net.forward(np.arange(100, 132), cache)
+    _decode(graphed.net, cache, 4)  # capture
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    _decode(graphed.net, cache, args.steps)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / args.steps
+    g = graphed.backend.graphs
+    replay = next(iter(g._graphs.values()))[0].graph
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(args.steps):
+        replay.replay()
+    end.record()
+    torch.cuda.synchronize()
+    print(f"graph: {1e3 * wall:.2f} ms/step wall (forward, logits to host), "
+          f"{begin.elapsed_time(end) / args.steps:.3f} ms/step replay alone, "
+          f"capture {1e3 * g.capture_seconds / max(g.captures, 1):.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
