@@ -255,7 +255,8 @@ class NumpyBackend(Backend):
         return QuantizedTable(tensor)
 
     def asarray(self, values: np.ndarray) -> np.ndarray:
-        return np.asarray(values, dtype=np.float32)
+        a = np.asarray(values)
+        return a if a.dtype == np.float16 else np.asarray(a, dtype=np.float32)
 
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x, dtype=np.float32)

@@ -20,6 +20,7 @@ BACKENDS = [(name, {}) for name in available_backends()]
 if "cpu" in available_backends():
     BACKENDS.append(("cpu", {"kernels": "numba"}))
 REF = get_backend("numpy")
+REF_GGML = get_backend("numpy-ggml")  # llama.cpp's CPU arithmetic (f16 rounding in attention)
 
 # byte offsets of the f16 scale fields in each block (ggml-common.h)
 F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
@@ -46,6 +47,13 @@ def int8_activation_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     blockmax = np.abs(x).reshape(n, cols // 32, 32).max(-1, keepdims=True)
     step = np.broadcast_to(blockmax, (n, cols // 32, 32)).reshape(n, cols) / 254.0
     return step @ np.abs(w).T * 1.01 + 1e-4
+
+
+def reference(backend):
+    """The numpy reference in the backend's arithmetic: f32, or llama.cpp's CPU arithmetic
+    for a backend that follows it (``ggml_numerics``: over an f16 cache, queries and
+    probabilities rounded to f16 as ggml's f16 matmuls round them)."""
+    return REF_GGML if backend.ggml_numerics else REF
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda p: "-".join([p[0], *p[1].values()]))
@@ -130,7 +138,7 @@ def test_attention(backend, n, T, window, softcap, kv_dtype, ring):
     mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
     args = (backend.asarray(q), backend.asarray(k), backend.asarray(v), mask, 0.125, softcap)
     got = backend.to_numpy(backend.attention(*args))
-    want = REF.attention(q, k, v, mask, 0.125, softcap)
+    want = reference(backend).attention(q, k, v, mask, 0.125, softcap)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -148,7 +156,7 @@ def test_attention_head_layouts(backend, heads, kv_heads, hd, n):
     mask = np.arange(T)[None, :] <= np.arange(T - n, T)[:, None]
     got = backend.to_numpy(backend.attention(backend.asarray(q), backend.asarray(k),
                                              backend.asarray(v), mask, hd ** -0.5, 0.0))
-    want = REF.attention(q, k, v, mask, hd ** -0.5, 0.0)
+    want = reference(backend).attention(q, k, v, mask, hd ** -0.5, 0.0)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
