@@ -255,8 +255,10 @@ class NumpyBackend(Backend):
         return QuantizedTable(tensor)
 
     def asarray(self, values: np.ndarray) -> np.ndarray:
-        a = np.asarray(values)
-        return a if a.dtype == np.float16 else np.asarray(a, dtype=np.float32)
+        """f32, except that f16 (a KV cache's storage) stays f16, as torch's does."""
+        if isinstance(values, np.ndarray) and values.dtype == np.float16:
+            return values
+        return np.asarray(values, dtype=np.float32)
 
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x, dtype=np.float32)
