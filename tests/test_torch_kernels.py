@@ -107,6 +107,9 @@ def test_round_activations(qtype):
     got = kernels.round_activations(t(x), block).cpu().numpy()
     assert np.array_equal(got, round_activations_like_ggml(x, qtype))
     assert np.array_equal(got, round_activations_torch(torch.from_numpy(x), block).numpy())
+    half = kernels.round_activations(t(x), block, torch.float16)  # a GEMM's input, cast once
+    assert half.dtype == torch.float16
+    assert np.array_equal(half.cpu().numpy(), got.astype(np.float16))
     xq, xd = kernels.quantize_activations(t(x), block, 576)  # padded: zeros past 512
     q = xq.view(torch.int8).cpu().numpy().astype(np.float32)
     d = np.repeat(xd.cpu().numpy(), 32, axis=1)

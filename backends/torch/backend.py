@@ -148,6 +148,8 @@ class TorchBackend(Backend):
             from . import kernels
 
             self.kernels = kernels
+        # prefill GEMMs over dequantized weights: f16 on a GPU (CPU f16 GEMMs are slow)
+        self._gemm_dtype = torch.float16 if self.cuda else torch.float32
         self.ggml_numerics = self.kernels is None if ggml_numerics is None else ggml_numerics
         if self.ggml_numerics and self.kernels is not None:
             raise ValueError("torch backend: ggml_numerics is for CPU torch without triton")
@@ -268,8 +270,8 @@ class TorchBackend(Backend):
         if key not in done:
             if matvec:
                 done[key] = self.kernels.quantize_activations(x, block, w.planes.padded)
-            elif self.kernels is not None:
-                done[key] = self.kernels.round_activations(x, block)
+            elif self.kernels is not None:  # the GEMM's input, in its dtype
+                done[key] = self.kernels.round_activations(x, block, self._gemm_dtype)
             else:
                 done[key] = round_activations_torch(x, block)
         return done[key]
@@ -293,9 +295,8 @@ class TorchBackend(Backend):
         if w.dense is not None:
             out = xa @ w.dense.T
             return out + bias if bias is not None else out
-        half = torch.float16 if self.cuda else torch.float32  # (CPU f16 GEMMs are slow)
-        dense = self.kernels.dequantize(w.planes, half)  # (rows, cols)
-        out = (xa.to(half) @ dense.T).float()
+        dense = self.kernels.dequantize(w.planes, self._gemm_dtype)  # (rows, cols)
+        out = (xa.to(self._gemm_dtype) @ dense.T).float()
         return out + bias if bias is not None else out
 
     def _like_ggml(self, fn, *args) -> torch.Tensor:

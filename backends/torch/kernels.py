@@ -312,13 +312,13 @@ def _dequant_kernel(out_ptr, ids_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr
 
 @triton.jit
 def _round_kernel(x_ptr, out_ptr, K, BLOCK: tl.constexpr, K_QUANT: tl.constexpr):
-    """One block of one row rounded (``_block_q8``), as f32 q * d."""
+    """One block of one row rounded (``_block_q8``): q * d in f32, stored in out's dtype."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     j = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * K + blk * BLOCK + j)
     q, d = _block_q8(x, j, BLOCK, K_QUANT)
-    tl.store(out_ptr + row * K + blk * BLOCK + j, q * d)
+    tl.store(out_ptr + row * K + blk * BLOCK + j, (q * d).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -555,13 +555,14 @@ def dequantize(p: Planes, dtype, ids=None):
     return out
 
 
-def round_activations(x, block: int = 32):
+def round_activations(x, block: int = 32, dtype=None):
     """x (n, K) f32 with K % block == 0, rounded to 8-bit blocks as llama.cpp rounds
-    activations: Q8_0 per 32, or Q8_K per 256 (``block=256``)."""
+    activations: Q8_0 per 32, or Q8_K per 256 (``block=256``); ``dtype`` (default f32): f16
+    hands a GEMM its input without a separate cast."""
     import torch
 
     n, K = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, dtype=dtype or x.dtype)
     _round_kernel[(n, K // block)](x, out, K, BLOCK=block, K_QUANT=block == 256,
                                    num_warps=1 if block == 32 else 2)
     return out
