@@ -35,6 +35,39 @@ _MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
+def _group_scales(s_ptr, m_ptr, d_ptr, dm_ptr, r, c, sub, mk, ng, nsup, KIND: tl.constexpr):
+    """Scale and offset of the weight groups of chunks c in rows r, for each chunk's low and
+    high 32 weights: (s_lo, s_hi, o_lo, o_hi). r, c and sub (which 16 of a half: Q6_K's
+    groups) broadcast to the caller's tile; mk masks rows and chunks."""
+    if KIND <= 4:  # d (and m) per 32
+        s_lo = tl.load(s_ptr + r * ng + c * 2, mask=mk, other=0).to(tl.float32)
+        s_hi = tl.load(s_ptr + r * ng + c * 2 + 1, mask=mk, other=0).to(tl.float32)
+        if KIND == 2 or KIND == 4:
+            o_lo = tl.load(m_ptr + r * ng + c * 2, mask=mk, other=0).to(tl.float32)
+            o_hi = tl.load(m_ptr + r * ng + c * 2 + 1, mask=mk, other=0).to(tl.float32)
+        else:
+            unit = -128.0 if KIND == 0 else (-8.0 if KIND == 1 else -16.0)
+            o_lo = s_lo * unit
+            o_hi = s_hi * unit
+    elif KIND == 5 or KIND == 6:  # Q4_K / Q5_K: d * sc, -dmin * m
+        dd = tl.load(d_ptr + r * nsup + c // 4, mask=mk, other=0).to(tl.float32)
+        dmin = tl.load(dm_ptr + r * nsup + c // 4, mask=mk, other=0).to(tl.float32)
+        s_lo = dd * tl.load(s_ptr + r * ng + c * 2, mask=mk, other=0).to(tl.float32)
+        s_hi = dd * tl.load(s_ptr + r * ng + c * 2 + 1, mask=mk, other=0).to(tl.float32)
+        o_lo = -(dmin * tl.load(m_ptr + r * ng + c * 2, mask=mk, other=0).to(tl.float32))
+        o_hi = -(dmin * tl.load(m_ptr + r * ng + c * 2 + 1, mask=mk, other=0).to(tl.float32))
+    else:  # Q6_K: d * sc per 16 weights, offset -32 units
+        dd = tl.load(d_ptr + r * nsup + c // 4, mask=mk, other=0).to(tl.float32)
+        s_lo = dd * tl.load(s_ptr + r * (2 * ng) + c * 4 + sub, mask=mk,
+                            other=0).to(tl.float32)
+        s_hi = dd * tl.load(s_ptr + r * (2 * ng) + c * 4 + 2 + sub, mask=mk,
+                            other=0).to(tl.float32)
+        o_lo = s_lo * -32.0
+        o_hi = s_hi * -32.0
+    return s_lo, s_hi, o_lo, o_hi
+
+
+@triton.jit
 def _weights_tile(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c, cmask,
                   nq, ng, nsup, KIND: tl.constexpr):
     """Weights of rows (BN,) x chunks (CH,) as two (BN, CH, 32) f32 halves: weights
@@ -63,31 +96,8 @@ def _weights_tile(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c, cm
         h_hi = tl.load(qh_ptr + r * (2 * ng) + cc * 4 + 2 + ii // 16, mask=mk, other=0)
         u_lo = u_lo | (((h_lo >> sh) & 3) << 4)
         u_hi = u_hi | (((h_hi >> sh) & 3) << 4)
-    if KIND <= 4:  # d (and m) per 32
-        s_lo = tl.load(s_ptr + r * ng + cc * 2, mask=mk, other=0).to(tl.float32)
-        s_hi = tl.load(s_ptr + r * ng + cc * 2 + 1, mask=mk, other=0).to(tl.float32)
-        if KIND == 2 or KIND == 4:
-            o_lo = tl.load(m_ptr + r * ng + cc * 2, mask=mk, other=0).to(tl.float32)
-            o_hi = tl.load(m_ptr + r * ng + cc * 2 + 1, mask=mk, other=0).to(tl.float32)
-        else:
-            unit = -128.0 if KIND == 0 else (-8.0 if KIND == 1 else -16.0)
-            o_lo = s_lo * unit
-            o_hi = s_hi * unit
-    elif KIND == 5 or KIND == 6:  # Q4_K / Q5_K: d * sc, -dmin * m
-        dd = tl.load(d_ptr + r * nsup + cc // 4, mask=mk, other=0).to(tl.float32)
-        dmin = tl.load(dm_ptr + r * nsup + cc // 4, mask=mk, other=0).to(tl.float32)
-        s_lo = dd * tl.load(s_ptr + r * ng + cc * 2, mask=mk, other=0).to(tl.float32)
-        s_hi = dd * tl.load(s_ptr + r * ng + cc * 2 + 1, mask=mk, other=0).to(tl.float32)
-        o_lo = -(dmin * tl.load(m_ptr + r * ng + cc * 2, mask=mk, other=0).to(tl.float32))
-        o_hi = -(dmin * tl.load(m_ptr + r * ng + cc * 2 + 1, mask=mk, other=0).to(tl.float32))
-    else:  # Q6_K: d * sc per 16 weights, offset -32 units
-        dd = tl.load(d_ptr + r * nsup + cc // 4, mask=mk, other=0).to(tl.float32)
-        s_lo = dd * tl.load(s_ptr + r * (2 * ng) + cc * 4 + ii // 16, mask=mk,
-                            other=0).to(tl.float32)
-        s_hi = dd * tl.load(s_ptr + r * (2 * ng) + cc * 4 + 2 + ii // 16, mask=mk,
-                            other=0).to(tl.float32)
-        o_lo = s_lo * -32.0
-        o_hi = s_hi * -32.0
+    s_lo, s_hi, o_lo, o_hi = _group_scales(s_ptr, m_ptr, d_ptr, dm_ptr, r, cc, ii // 16, mk,
+                                            ng, nsup, KIND)
     w_lo = u_lo.to(tl.float32) * s_lo + o_lo
     w_hi = u_hi.to(tl.float32) * s_hi + o_hi
     return w_lo, w_hi
@@ -169,45 +179,11 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
             h_hi = tl.load(qh_ptr + r * (2 * ng) + cc * 4 + 2 + sub, mask=mk, other=0)
             w_lo = w_lo | _spread_bits(h_lo >> (8 * jj), 2)
             w_hi = w_hi | _spread_bits(h_hi >> (8 * jj), 2)
-        # per-group scale and offset, (BN, CH, 2): one per sixteen (equal within a half
-        # chunk except for Q6_K)
-        r3 = rows.to(tl.int64)[:, None, None]
-        c3 = c[None, :, None]
-        s3 = tl.arange(0, 2)[None, None, :]
-        mk3 = rmask[:, None, None] & cmask[None, :, None]
-        if KIND <= 4:
-            s_lo = tl.load(s_ptr + r3 * ng + c3 * 2 + s3 * 0, mask=mk3, other=0).to(tl.float32)
-            s_hi = tl.load(s_ptr + r3 * ng + c3 * 2 + 1 + s3 * 0, mask=mk3,
-                           other=0).to(tl.float32)
-            if KIND == 2 or KIND == 4:
-                o_lo = tl.load(m_ptr + r3 * ng + c3 * 2 + s3 * 0, mask=mk3,
-                               other=0).to(tl.float32)
-                o_hi = tl.load(m_ptr + r3 * ng + c3 * 2 + 1 + s3 * 0, mask=mk3,
-                               other=0).to(tl.float32)
-            else:
-                unit = -128.0 if KIND == 0 else (-8.0 if KIND == 1 else -16.0)
-                o_lo = s_lo * unit
-                o_hi = s_hi * unit
-        elif KIND == 5 or KIND == 6:
-            dd = tl.load(d_ptr + r3 * nsup + c3 // 4 + s3 * 0, mask=mk3, other=0).to(tl.float32)
-            dmin = tl.load(dm_ptr + r3 * nsup + c3 // 4 + s3 * 0, mask=mk3,
-                           other=0).to(tl.float32)
-            s_lo = dd * tl.load(s_ptr + r3 * ng + c3 * 2 + s3 * 0, mask=mk3,
-                                other=0).to(tl.float32)
-            s_hi = dd * tl.load(s_ptr + r3 * ng + c3 * 2 + 1 + s3 * 0, mask=mk3,
-                                other=0).to(tl.float32)
-            o_lo = -(dmin * tl.load(m_ptr + r3 * ng + c3 * 2 + s3 * 0, mask=mk3,
-                                    other=0).to(tl.float32))
-            o_hi = -(dmin * tl.load(m_ptr + r3 * ng + c3 * 2 + 1 + s3 * 0, mask=mk3,
-                                    other=0).to(tl.float32))
-        else:
-            dd = tl.load(d_ptr + r3 * nsup + c3 // 4 + s3 * 0, mask=mk3, other=0).to(tl.float32)
-            s_lo = dd * tl.load(s_ptr + r3 * (2 * ng) + c3 * 4 + s3, mask=mk3,
-                                other=0).to(tl.float32)
-            s_hi = dd * tl.load(s_ptr + r3 * (2 * ng) + c3 * 4 + 2 + s3, mask=mk3,
-                                other=0).to(tl.float32)
-            o_lo = s_lo * -32.0
-            o_hi = s_hi * -32.0
+        # per-group scale and offset, (BN, CH, 1) or, per sixteen (Q6_K), (BN, CH, 2)
+        s_lo, s_hi, o_lo, o_hi = _group_scales(
+            s_ptr, m_ptr, d_ptr, dm_ptr, rows.to(tl.int64)[:, None, None], c[None, :, None],
+            tl.arange(0, 2)[None, None, :], rmask[:, None, None] & cmask[None, :, None], ng,
+            nsup, KIND)
         zero = tl.zeros((BN, CH, 2, 4), tl.int32)
         xmask = cmask[:, None, None]
         for m in tl.static_range(M):
