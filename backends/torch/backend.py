@@ -323,7 +323,8 @@ class TorchBackend(Backend):
     def rope_tables(self, positions, hd: int, theta: float, freq_factors=None,
                     freq_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (n, hd/2) f32 of positions (n,) (numpy, or a device tensor under CUDA
-        graphs), angles in f64; memoized for the step (every layer's positions object)."""
+        graphs), angles in f64 (ggml's f32 recurrence with ``ggml_numerics``); memoized for
+        the step (every layer's positions object)."""
         memo_pos, memo = self._rope_memo
         if memo_pos is not positions:
             memo = {}
@@ -339,7 +340,11 @@ class TorchBackend(Backend):
                 f = f / np.asarray(freq_factors, dtype=np.float64)
             return f
 
-        if isinstance(positions, torch.Tensor):
+        if self.ggml_numerics:  # CPU tensors
+            pos = positions.numpy() if isinstance(positions, torch.Tensor) else positions
+            tables = tuple(torch.from_numpy(t) for t in rope_tables_like_ggml(
+                np.asarray(pos), hd, theta, freq_factors, freq_scale))
+        elif isinstance(positions, torch.Tensor):
             freqs = self._device_const(("inv_freq",) + key, inv_freq)
             angles = positions.to(torch.float64)[:, None] * freqs[None, :]
             tables = (torch.cos(angles).float(), torch.sin(angles).float())
@@ -352,12 +357,9 @@ class TorchBackend(Backend):
     def rope(self, x, positions, theta, neox, freq_factors=None, freq_scale=1.0):
         x = self.asarray(x)
         hd = x.shape[-1]
-        if self.ggml_numerics:
-            pos = positions.numpy() if isinstance(positions, torch.Tensor) else positions
-            cos, sin = rope_tables_like_ggml(np.asarray(pos), hd, theta, freq_factors,
-                                             freq_scale)
-            return self._like_ggml(rope_like_ggml, x, cos[:, None, :], sin[:, None, :], neox)
         cos, sin = self.rope_tables(positions, hd, theta, freq_factors, freq_scale)
+        if self.ggml_numerics:
+            return self._like_ggml(rope_like_ggml, x, cos[:, None, :], sin[:, None, :], neox)
         if self.kernels is not None:
             return self.kernels.rope(x.contiguous(), cos, sin, neox)
         cos, sin = cos[:, None, :], sin[:, None, :]  # (n, 1, hd/2)

@@ -155,6 +155,9 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
     xj = tl.arange(0, 4)[None, None, :]
     ones = tl.full((1, CH, 2, 4), 0x01010101, tl.int32)  # dp4a with it: sums of q
     zero_x = tl.zeros((1, CH, 2, 4), tl.int32)
+    zero = tl.zeros((BN, CH, 2, 4), tl.int32)
+    r3 = rows.to(tl.int64)[:, None, None]  # the scales' (BN, CH, 2) indexing
+    s3 = tl.arange(0, 2)[None, None, :]
     mcol = tl.arange(0, MP)
     acc = tl.zeros((BN, MP), dtype=tl.float32)
     for c0 in range(split * cps, c_end, CH):
@@ -181,10 +184,8 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
             w_hi = w_hi | _spread_bits(h_hi >> (8 * jj), 2)
         # per-group scale and offset, (BN, CH, 1) or, per sixteen (Q6_K), (BN, CH, 2)
         s_lo, s_hi, o_lo, o_hi = _group_scales(
-            s_ptr, m_ptr, d_ptr, dm_ptr, rows.to(tl.int64)[:, None, None], c[None, :, None],
-            tl.arange(0, 2)[None, None, :], rmask[:, None, None] & cmask[None, :, None], ng,
-            nsup, KIND)
-        zero = tl.zeros((BN, CH, 2, 4), tl.int32)
+            s_ptr, m_ptr, d_ptr, dm_ptr, r3, c[None, :, None], s3,
+            rmask[:, None, None] & cmask[None, :, None], ng, nsup, KIND)
         xmask = cmask[:, None, None]
         for m in tl.static_range(M):
             xc = xq_ptr + m * KW + c[:, None, None] * 16 + xsub * 4 + xj  # (CH, 2, 4)
@@ -437,8 +438,8 @@ def _geometry(p: Planes) -> tuple[int, int, int, int]:
     return p.q.shape[1], p.padded // 32, nsup, p.padded // CHUNK
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+#: triton reads TRITON_INTERPRET when it is first imported, as this module imports it
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 #: (rows per program, chunks per step, warps) of the mat-vec kernel, per block type: the best
@@ -474,6 +475,16 @@ def _multiprocessors(device) -> int:
     return _sm_counts[device]
 
 
+def _words(p: Planes):
+    """p.q as int32 words (a view of the same memory), made at the first mat-vec and kept:
+    not a tensor op per matmul and token."""
+    import torch
+
+    if p.words is None:
+        p.words = p.q.view(torch.int32)
+    return p.words
+
+
 def quantize_activations(x, block: int, padded: int):
     """x (n, K) f32 as 8-bit blocks for the mat-vec: (xq (n, padded / 4) int32 words of
     four int8 values, xd (n, padded / 32) f32 scale per 32 values), zeros past K; q * d
@@ -483,9 +494,9 @@ def quantize_activations(x, block: int, padded: int):
     n, K = x.shape
     q = torch.empty((n, padded), dtype=torch.int8, device=x.device)
     d = torch.empty((n, padded // 32), dtype=torch.float32, device=x.device)
-    _quantize_kernel[(n, triton.cdiv(padded, block))](x, q, d, K, padded, BLOCK=block,
-                                           K_QUANT=block == 256,
-                                           num_warps=1 if block == 32 else 2)
+    _quantize_kernel[(n, triton.cdiv(padded, block))](
+        x, q, d, K, padded, BLOCK=block, K_QUANT=block == 256,
+        num_warps=1 if block == 32 else 2)
     return q.view(torch.int32), d
 
 
@@ -509,9 +520,9 @@ def qmatvec(xq, xd, p: Planes, bias=None):
         counts = _counters(xq.device, programs)
     _qmv_kernel[(programs, splits)](
         xq, xd, out, part, counts, bias if bias is not None else xd,
-        *_plane_args(p, p.q.view(torch.int32)), p.rows, xq.shape[1], nq // 4, ng, nsup,
+        *_plane_args(p, _words(p)), p.rows, xq.shape[1], nq // 4, ng, nsup,
         n_chunks, cps, splits, M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn, CH=ch,
-        HAS_BIAS=bias is not None, SPLIT_K=splits > 1, INTERP=_interpreting(),
+        HAS_BIAS=bias is not None, SPLIT_K=splits > 1, INTERP=_INTERPRETING,
         num_warps=warps)
     return out
 

@@ -54,6 +54,7 @@ class Planes:
     m: object = None
     d: object = None
     dm: object = None
+    words: object = None  # q as int32 words, a view made by the mat-vec (not in arrays())
 
     @property
     def kind(self) -> int:
