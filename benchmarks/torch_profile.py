@@ -43,6 +43,21 @@ def _profiled(label: str, run, per: int) -> None:
               f"{e.count / per:6.1f}/step  {e.key[:90]}")
 
 
+def _one_step_trace(run, first: int, count: int) -> None:
+    """Kernels first..first+count of one step in launch order, with their device time: a
+    layer's sequence (which mat-vec is slow, what runs between them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                     key=lambda e: e.time_range.start)
+    print(f"one step, kernels {first}..{first + count} of {len(kernels)}:")
+    for e in kernels[first:first + count]:
+        print(f"  {e.time_range.elapsed_us():7.1f} us  {e.name[:70]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("model")
@@ -67,6 +82,7 @@ def main() -> None:
     _decode(eager.net, cache, 4)  # warm-up: triton compiles
     torch.cuda.synchronize()
     _profiled("eager decode", lambda: _decode(eager.net, cache, args.steps), args.steps)
+    _one_step_trace(lambda: _decode(eager.net, cache, 1), 0, 60)
     start = time.perf_counter()
     _decode(eager.net, cache, args.steps)
     torch.cuda.synchronize()

@@ -78,8 +78,10 @@ def test_qmatvec(qtype, n):
 def test_qmatvec_split_k(qtype):
     """K split among programs (few rows, long rows: the last program of a row block adds
     the partial sums in split order), the bias added once, the counters reset."""
-    x = np.random.default_rng(9).standard_normal((2, 2560)).astype(np.float32)
-    _check_qmatvec(qtype, 21, 2560, x, seed=9)
+    cols = 4608
+    assert cols // 64 >= kernels.SPLIT_MIN_CHUNKS  # rows long enough to be split
+    x = np.random.default_rng(9).standard_normal((2, cols)).astype(np.float32)
+    _check_qmatvec(qtype, 21, cols, x, seed=9)
     assert all(not c.any() for c in kernels._split_counters.values())
 
 
@@ -171,3 +173,35 @@ def test_store_kv():
     assert torch.equal(keys[4], k[0].half()) and torch.equal(keys[1], k[1].half())
     assert torch.equal(values[4], v[0].half()) and torch.equal(values[1], v[1].half())
     assert not keys[[0, 2, 3, 5]].any() and not values[[0, 2, 3, 5]].any()
+
+
+@pytest.mark.parametrize("n", [1, 12])  # the mat-vec; dequantize + GEMM
+def test_matmuls_stack_neighbours_of_one_type(n):
+    """Q (Q4_K), K (Q4_K), V (Q6_K) with biases: Q and K run as one stacked matrix whose
+    rows Q's and K's planes then view (no second copy), V alone; the results are those of
+    separate matmuls."""
+    from edgellm.backends.torch.backend import TorchBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensors = [random_tensor(q, rows, 512, seed=rows) for q, rows in
+               ((Q.Q4_K, 48), (Q.Q4_K, 16), (Q.Q6_K, 16))]
+    rng = np.random.default_rng(n)
+    biases = [rng.standard_normal(t_.shape[0]).astype(np.float32) for t_ in tensors]
+    x = rng.standard_normal((n, 512)).astype(np.float32)
+    outs = []
+    for stacked in (False, True):
+        be = TorchBackend(device=device, triton=not torch.cuda.is_available())
+        ws = [be.prepare(t_) for t_ in tensors]
+        bs = [be.asarray(b) for b in biases]
+        if stacked:
+            got = be.matmuls(be.asarray(x), ws, bs)
+            (qk, _, sizes), (v, _, single) = next(iter(be._stacks.values()))[1]
+            assert sizes == [48, 16] and v is ws[2] and single is None
+            base, end = qk.planes.q.data_ptr(), qk.planes.q.data_ptr() + qk.planes.q.nbytes
+            assert all(base <= w.planes.q.data_ptr() < end for w in ws[:2])
+        else:
+            got = [be.matmul(be.asarray(x), w, b) for w, b in zip(ws, bs, strict=True)]
+        outs.append([be.to_numpy(o) for o in got])
+    for want, got in zip(*outs, strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

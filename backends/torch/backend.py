@@ -36,7 +36,7 @@ from ..numpy_backend import (
     rope_like_ggml,
     rope_tables_like_ggml,
 )
-from .packing import K_QUANTS, KINDS, Planes, pack
+from .packing import K_QUANTS, KINDS, Planes, pack, stack_rows
 
 _MAGIC = 12582912.0  # see kernels._MAGIC
 #: Activations are rounded to 8-bit blocks before every quantized matmul, as llama.cpp
@@ -105,6 +105,12 @@ class KVStorage(torch.Tensor):
         super().__setitem__(idx, value)
 
 
+def _stackable(a: TorchWeight, b: TorchWeight) -> bool:
+    """Can b's rows follow a's in one packed matrix (same block type and width)?"""
+    return (a.planes is not None and b.planes is not None and a.qtype == b.qtype
+            and a.cols == b.cols and a is not b)
+
+
 def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.as_subclass(torch.Tensor) if type(x) is not torch.Tensor else x
 
@@ -157,6 +163,7 @@ class TorchBackend(Backend):
         self._tables: dict[tuple, TorchWeight] = {}  # embedding tables by tensor identity
         self._consts: dict[tuple, torch.Tensor] = {}  # rope frequencies etc., on the device
         self._rope_memo: tuple = (None, {})  # (positions object, {params: (cos, sin)})
+        self._stacks: dict[tuple, tuple] = {}  # matmuls' weight ids -> (weights, _stacked plan)
         self.graphs = None
         if graphs is None:
             graphs = self.cuda and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0"
@@ -282,12 +289,53 @@ class TorchBackend(Backend):
         return self._multiply(self._activations(x, weight, {}), weight, bias)
 
     def matmuls(self, x, weights: tuple, biases: tuple | None = None) -> list:
-        """Several projections of one input, its activations rounded once per block size."""
+        """Several projections of one input, its activations rounded once per block size;
+        on the GPU path neighbours of one block type run as one matmul (``_stacked``)."""
         x = self.asarray(x).contiguous()
         biases = biases or (None,) * len(weights)
         done: dict = {}
-        return [self._multiply(self._activations(x, w, done), w, b)
-                for w, b in zip(weights, biases, strict=True)]
+        outs = []
+        for w, b, sizes in self._stacked(tuple(weights), tuple(biases)):
+            out = self._multiply(self._activations(x, w, done), w, b)
+            outs += [out] if sizes is None else list(torch.split(out, sizes, dim=1))
+        return outs
+
+    def _stacked(self, weights: tuple, biases: tuple) -> list:
+        """(weight, bias, row sizes or None) per matmul that ``matmuls`` runs: neighbouring
+        packed matrices of one block type and width stacked into one (Q4_K Q and K, gate and
+        up: a launch less each, and a fuller GPU), once, at their first call; the members'
+        planes become views of the stack's rows (no second copy). Stacking is skipped while
+        a CUDA graph is being captured (it allocates), and on the CPU's dense path."""
+        key = tuple(id(w) for w in weights)
+        known = self._stacks.get(key)
+        if known is not None:
+            return known[1]
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return [(w, b, None) for w, b in zip(weights, biases, strict=True)]
+        plan, i = [], 0
+        while i < len(weights):
+            j = i + 1
+            while j < len(weights) and _stackable(weights[i], weights[j]):
+                j += 1
+            if j - i == 1:
+                plan.append((weights[i], biases[i], None))
+            else:
+                plan.append(self._stack(weights[i:j], biases[i:j]))
+            i = j
+        self._stacks[key] = (weights, plan)  # the weights kept: their ids stay theirs
+        return plan
+
+    def _stack(self, weights: tuple, biases: tuple) -> tuple:
+        whole, views = stack_rows([w.planes for w in weights], torch.cat)
+        for w, view in zip(weights, views, strict=True):
+            w.planes = view
+        first = weights[0]
+        stacked = TorchWeight(first.qtype, whole.rows, first.cols, planes=whole)
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else torch.zeros(w.rows, device=self.device)
+                              for w, b in zip(weights, biases, strict=True)])
+        return stacked, bias, [w.rows for w in weights]
 
     def _multiply(self, xa, w: TorchWeight, bias) -> torch.Tensor:
         """xa (as ``_activations`` prepared it) @ w.T (+ bias)."""

@@ -23,9 +23,7 @@ import os
 import triton
 import triton.language as tl
 
-from edgellm.quants import Q
-
-from .packing import CHUNK, KINDS, Planes
+from .packing import CHUNK, Planes
 
 #: tokens up to which a matmul runs the mat-vec kernel (above: dequantize + GEMM)
 MATVEC_MAX_TOKENS = 8
@@ -442,12 +440,24 @@ def _geometry(p: Planes) -> tuple[int, int, int, int]:
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-#: (rows per program, chunks per step, warps) of the mat-vec kernel, per block type: the best
-#: over the 1.5B's matrices on an H200 (benchmarks/torch_matvec.py --tiles)
-MATVEC_TILES: dict[int, tuple[int, int, int]] = {KINDS[Q.Q4_K]: (8, 8, 4)}
-DEFAULT_TILE = (16, 8, 4)
-#: programs per multiprocessor a mat-vec aims for: below it, K is split among programs
-PROGRAMS_PER_SM = 16
+#: Mat-vec tiles (rows per program, chunks per step, warps) and K splits, from a sweep of the
+#: 1.5B's and 0.5B's matrices on an H100 (benchmarks/torch_matvec.py --tiles: cold weights,
+#: launches replayed from a CUDA graph): up to K = 4096 rows alone fill the GPU best (a
+#: split costs more than it gains), small tiles for few rows; longer rows (the down
+#: projections) split K until ~PROGRAMS_PER_SM programs run per multiprocessor.
+SPLIT_MIN_CHUNKS = 64
+PROGRAMS_PER_SM = 8
+#: a tile per block type that overrides ``matvec_tile`` (the sweep sets it)
+MATVEC_TILES: dict[int, tuple[int, int, int]] = {}
+
+
+def matvec_tile(rows: int, n_chunks: int) -> tuple[int, int, int]:
+    """The mat-vec tile for a matrix of ``rows`` rows of ``n_chunks`` 64-weight chunks."""
+    if n_chunks >= SPLIT_MIN_CHUNKS or rows >= 4096:
+        return 16, 8, 4
+    return (4, 8, 4) if rows > 512 else (2, 8, 4)
+
+
 _sm_counts: dict = {}
 _split_counters: dict = {}  # device -> int32 counters of the split-K mat-vec (self-resetting)
 
@@ -506,10 +516,12 @@ def qmatvec(xq, xd, p: Planes, bias=None):
     import torch
 
     n = xq.shape[0]
-    bn, ch, warps = MATVEC_TILES.get(p.kind, DEFAULT_TILE)
     nq, ng, nsup, n_chunks = _geometry(p)
+    bn, ch, warps = MATVEC_TILES.get(p.kind) or matvec_tile(p.rows, n_chunks)
     programs = triton.cdiv(p.rows, bn)
     wanted = triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(xq.device), programs)
+    if n_chunks < SPLIT_MIN_CHUNKS:
+        wanted = 1
     splits = max(1, min(triton.cdiv(n_chunks, ch), wanted))
     cps = triton.cdiv(triton.cdiv(n_chunks, splits), ch) * ch  # chunks per split
     splits = triton.cdiv(n_chunks, cps)

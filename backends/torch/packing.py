@@ -183,6 +183,25 @@ def pack(data: np.ndarray, qtype: Q, rows: int, cols: int) -> Planes:
     return planes
 
 
+def stack_rows(parts: list[Planes], cat) -> tuple[Planes, list[Planes]]:
+    """Matrices of one type and width as one taller matrix (``cat``: torch.cat or
+    np.concatenate), and each part again as a view of its rows of it: one mat-vec for Q, K
+    and V, or gate and up, in the memory the parts took."""
+    first = parts[0]
+    if any(p.qtype != first.qtype or p.cols != first.cols for p in parts):
+        raise ValueError("stack_rows: matrices of one block type and width only")
+    keys = first.arrays().keys()
+    whole = Planes(first.qtype, sum(p.rows for p in parts), first.cols, first.padded,
+                   **{k: cat([getattr(p, k) for p in parts]) for k in keys})
+    views, start = [], 0
+    for p in parts:
+        rows = slice(start, start + p.rows)
+        views.append(Planes(p.qtype, p.rows, p.cols, p.padded,
+                            **{k: getattr(whole, k)[rows] for k in keys}))
+        start += p.rows
+    return whole, views
+
+
 def dequantize_planes(p: Planes, xp=np) -> np.ndarray:
     """The packed matrix back to f32 (rows, cols), in numpy (xp=np) or torch (xp=torch):
     the same formulas as the GPU kernels, used on the CPU and to test the repacking."""
