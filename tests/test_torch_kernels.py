@@ -74,6 +74,16 @@ def test_qmatvec(qtype, n):
     _check_qmatvec(qtype, 37, cols, x, seed=n)
 
 
+@pytest.mark.parametrize("tile", [(2, 8, 4), (4, 8, 4)])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda q: q.name)
+def test_qmatvec_small_tiles(qtype, tile, monkeypatch):
+    """The GPU's tiles for matrices of few rows (the interpreter otherwise runs the largest)."""
+    monkeypatch.setitem(kernels.MATVEC_TILES, KINDS[qtype], tile)
+    cols = 512 if qtype in K_QUANTS else 224
+    x = np.random.default_rng(4).standard_normal((1, cols)).astype(np.float32)
+    _check_qmatvec(qtype, 13, cols, x, seed=4)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
 def test_qmatvec_split_k(qtype):
     """K split among programs (few rows, long rows: the last program of a row block adds

@@ -6,10 +6,10 @@ llama.cpp's greedy outputs, with the bounds of tests/test_cpu_models.py: top-1 e
 of positions and at every position whose reference margin is >= 1.0. (tests/test_models.py
 runs every backend, torch included, over prompt + greedy ids in one pass.)
 
-A tiny model: decode steps through graphs.py (CUDA graphs on a GPU; the same static-buffer
-steps run eagerly on the CPU) equal plain steps, across speculative rollbacks, fresh caches
-(graphs adopted) and wrapping ring caches; the GPU path (triton kernels, in the interpreter
-without a GPU) follows CPU torch.
+A tiny model: prompt slices and decode steps through graphs.py (CUDA graphs on a GPU; the
+same static-buffer steps run eagerly on the CPU) equal plain steps, across padding, speculative
+rollbacks, fresh caches (graphs adopted) and wrapping ring caches; the GPU path (triton
+kernels, in the interpreter without a GPU) follows CPU torch.
 """
 
 from __future__ import annotations
@@ -53,9 +53,11 @@ def test_decode_teacher_forced_matches_llama_cpp(model_path, name):
     assert matches / positions >= MIN_TOP1_AGREEMENT
 
 
-def _tiny_net(tmp_path, qtype, backend, window: int = 0, small: bool = False):
-    """A tiny random Llama (d 256, 3 layers, GQA; ``small``: d 64, 1 layer) of ``qtype``
-    blocks on ``backend``; ``window``: every layer a sliding-window layer of that size."""
+def _tiny_net(tmp_path, qtype, backend, window: int = 0, small: bool = False,
+              layers: int | None = None):
+    """A tiny random Llama (d 256, 3 layers, GQA; ``small``: d 64, 1 layer; ``layers``
+    overrides) of ``qtype`` blocks on ``backend``; ``window``: every layer a sliding-window
+    layer of that size."""
     from dataclasses import replace
 
     from edgellm.converters.gguf_reader import read_gguf
@@ -63,8 +65,9 @@ def _tiny_net(tmp_path, qtype, backend, window: int = 0, small: bool = False):
     from tests.tiny_models import TinyConfig, write_tiny_llama
 
     cfg = TinyConfig(d_model=64 if small else 256, n_heads=4, n_kv_heads=2,
-                     d_ff=128 if small else 512, n_layers=1 if small else 3, qtype=qtype)
-    path = tmp_path / f"tiny-{qtype.name}{'-small' if small else ''}.gguf"
+                     d_ff=128 if small else 512, n_layers=layers or (1 if small else 3),
+                     qtype=qtype)
+    path = tmp_path / f"tiny-{qtype.name}{'-small' if small else ''}-{cfg.n_layers}.gguf"
     if not path.exists():
         write_tiny_llama(path, cfg)
     gguf = read_gguf(path)
@@ -78,43 +81,60 @@ def _decode(net, cache, tokens):
     return np.stack([net.forward(np.array([t]), cache)[0] for t in tokens])
 
 
-def _graph_backend():
+def _graph_backend(triton: bool = False):
     """CUDA with graphs captured, or (no GPU) CPU torch running the same static-buffer
-    steps eagerly: everything of graphs.py but the capture itself."""
+    steps eagerly: everything of graphs.py but the capture itself (``triton``: through the
+    GPU path's kernels, in the interpreter)."""
     from edgellm.backends.torch import TorchBackend
 
+    if triton and not CUDA:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("triton's interpreter was not enabled before triton was imported")
+        pytest.importorskip("triton")
+        return TorchBackend(device="cpu", triton=True, graphs=True)
     return TorchBackend(graphs=True)
 
 
-@pytest.mark.parametrize("qtype_name,window", [("Q8_0", 0), ("Q4_0", 0), ("Q5_0", 5)])
-def test_decode_graphs_equal_plain_steps(tmp_path, qtype_name, window):
-    """Decode steps through graphs.py equal Model.forward's own steps: across a speculative
-    rollback, a fresh cache (which adopts the graph: no second capture), and (window) ring
-    caches that wrap, with a second, differently planned group of layers."""
+@pytest.mark.parametrize("qtype_name,window,triton", [
+    ("Q8_0", 0, False), ("Q4_0", 0, False), ("Q5_0", 5, False), ("Q5_0", 5, True)])
+def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
+    """Steps through graphs.py equal Model.forward's own steps: prompt slices padded to their
+    bucket (in place, and over the rows before the write plus the new ones: rings shorter
+    than the bucket, a linear layer shorter than it), decode across a speculative rollback,
+    a second turn's prompt, a fresh cache (which adopts the graphs: no second capture), and
+    (window) ring caches that wrap, with a second, differently planned group of layers."""
+    from edgellm.backends.torch import graphs as graphs_module
     from edgellm.cache import CacheConfig
     from edgellm.quants import Q
 
-    backend = _graph_backend()
-    net = _tiny_net(tmp_path, Q[qtype_name], backend, window)
+    backend = _graph_backend(triton)
+    net = _tiny_net(tmp_path, Q[qtype_name], backend, window, small=triton,  # interpreter
+                    layers=2 if triton else None)
     if window:  # layers 0, 2 windowed (ring of window + reserve), layer 1 global
         net.layer_window = lambda i: 0 if i == 1 else window
-    prompt = [1, 5, 9, 200, 7, 3]
-    steps = [11 + (7 * i) % 250 for i in range(40 if window else 8)]
+    prompt = [1, 5, 9, 200, 7, 3] if window else [1 + (11 * i) % 250 for i in range(70)]
+    turn = [17, 4, 33, 98, 2, 61, 5, 8] if window else [3 + (5 * i) % 250 for i in range(20)]
+    steps = [11 + (7 * i) % 250 for i in range(4 if triton else 40 if window else 8)]
     graphs = backend.graphs
-    config = CacheConfig(max_tokens=80, reserve=4)
+    config = CacheConfig(max_tokens=80 if window else 104, reserve=4)  # 104 < a bucket
 
     def run(use_graphs: bool, trim: int = 3):
         backend.graphs = graphs if use_graphs else None
         cache = net.make_cache(config=config)
-        net.forward(np.array(prompt), cache)
-        out = _decode(net, cache, steps)
+        out = [net.forward(np.array(prompt), cache), _decode(net, cache, steps)]
         cache.trim(trim)  # a speculative rollback, then other tokens
-        out = np.concatenate([out, _decode(net, cache, steps[:trim])])
+        out += [_decode(net, cache, steps[:trim]), net.forward(np.array(turn), cache),
+                _decode(net, cache, steps[:2])]
         backend.graphs = graphs
-        return out, cache
+        return np.concatenate(out), cache
 
     eager, eager_cache = run(False)
     replayed, cache = run(True)
+    g = graphs._graphs[id(net)][0]
+    sizes = sorted(g.buckets)
+    assert sizes == sorted({1, *(graphs_module.bucket_for(len(p)) for p in (prompt, turn))})
+    modes = {mode for b in g.buckets.values() for _, _, mode in b.mask_spans}
+    assert modes == {True, False}  # some steps in place, some over old rows + new ones
     if window:
         assert len({layer.plan for layer in cache.layers}) == 2
         assert cache.layers[0].plan.is_ring and cache.offset > cache.layers[0].plan.slots
@@ -122,10 +142,12 @@ def test_decode_graphs_equal_plain_steps(tmp_path, qtype_name, window):
     assert np.array_equal(replayed.argmax(-1), eager.argmax(-1))
     for mine, theirs in zip(cache.layers, eager_cache.layers, strict=True):
         assert np.array_equal(mine.slot_pos, theirs.slot_pos) and mine.offset == theirs.offset
+    if triton:  # (the interpreter is slow; adoption is the same without it)
+        return
     del cache
-    again, _ = run(True)  # a fresh cache adopts the graph of the one just dropped
+    again, _ = run(True)  # a fresh cache adopts the graphs of the one just dropped
     np.testing.assert_array_equal(again, replayed)
-    assert graphs.captures == (1 if graphs.capture else 0)
+    assert graphs.captures == (len(sizes) if graphs.capture else 0)
 
 
 def test_triton_path_follows_cpu_torch(tmp_path):

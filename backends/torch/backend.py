@@ -3,12 +3,12 @@ one) or on the CPU.
 
 On CUDA the weights stay quantized: each matrix is repacked at load into the planes of
 ``packing.py`` (the file's own numbers, laid out for wide loads), read by the triton kernels of
-``kernels.py``: a mat-vec for up to 8 tokens (decode, speculative checks), dequantization to
-f16 tiles for a cuBLAS GEMM above that (prefill). Activations are rounded to 8-bit blocks of 32
-before every quantized matmul, as llama.cpp's CUDA backend rounds them. Attention runs
-``scaled_dot_product_attention`` over the f16 cache with the cache's mask (sliding windows
-included). The KV cache lives on the device; single-token decode steps replay a CUDA graph
-(``graphs.py``).
+``kernels.py``: an int8 mat-vec for up to 8 tokens (decode, speculative checks), dequantization
+to f16 tiles for a cuBLAS GEMM above that (prefill); neighbouring projections of one type (Q
+and K, gate and up) run as one stacked matrix. Activations are rounded to 8-bit blocks before
+every quantized matmul, as llama.cpp rounds them. Attention over the f16 cache with its mask
+(sliding windows included): flash-decoding kernels up to 8 queries, SDPA in f32 above. The KV
+cache lives on the device; decode steps and prompt slices replay CUDA graphs (``graphs.py``).
 
 On the CPU (tests, or machines without CUDA) weights are dequantized once to f32 for torch's
 BLAS (embedding tables stay the file's blocks, rows dequantized on lookup), with the same
@@ -120,7 +120,7 @@ class TorchBackend(Backend):
 
     ``triton=True`` on the CPU runs the GPU path (packed weights, triton kernels) in triton's
     interpreter (``TRITON_INTERPRET=1`` before triton is imported): slow, for tests only.
-    ``graphs``: replay decode steps as CUDA graphs (default: on CUDA, unless
+    ``graphs``: replay decode steps and prompt slices as CUDA graphs (default: on CUDA, unless
     EDGELLM_CUDA_GRAPHS=0); on the CPU the same static-buffer steps run eagerly (tests).
 
     CPU torch (without triton) follows llama.cpp's CPU arithmetic by default, as the cpu
@@ -168,9 +168,9 @@ class TorchBackend(Backend):
         if graphs is None:
             graphs = self.cuda and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0"
         if graphs:
-            from .graphs import DecodeGraphs
+            from .graphs import StepGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self.graphs = StepGraphs(self)
 
     # -- weights -------------------------------------------------------------------------
     def _weight(self, tensor: QTensor, lookups: bool = False) -> TorchWeight:

@@ -1,23 +1,35 @@
-"""Single-token decode steps as CUDA graphs: a small model's step is ~30 launches per layer,
-and replaying them as one graph removes the launch gaps that otherwise set its pace.
+"""Forward steps as CUDA graphs: a small model's step is tens of launches per layer, and from
+Python each launch costs more host time than the GPU spends on it (a 512-token prefill of
+the 1.5B: ~1,500 launches, 10 ms on the GPU, 50 ms of wall time). Replaying them as one
+graph removes that.
 
-A graph is captured once per model and cache layout (``LayerPlan`` per layer) and replayed
-for every step after. What changes from step to step lives in static device buffers filled
-from pinned host memory before each replay: the token, its position, each distinct layout's
-write slot and mask (layers with the same plan share them: two for Gemma 3, one for Qwen).
-The host still keeps the cache's books (``slot_pos``, ``offset``) exactly as
-``LayerCache.update_and_fetch`` does, so trim, prefill and everything else see the same
-cache. The captured pass is ``Model.forward``'s own steps (embed, ``block_forward`` per
-layer, norm, output), over a cache view whose ``update_and_fetch`` writes at the static slot.
+A step of n tokens runs the graph of the smallest bucket (``BUCKETS``) that holds it: decode
+(1 token) exactly, a prompt slice padded to 16..512 tokens. The pads repeat the last token
+at its position, write their keys to a spare row of the KV storage that no query reads, and
+their outputs are dropped (every op but attention works row by row, and attention masks
+them). A graph is captured once per model, cache layout and bucket, and replayed for every
+step after; all of a cache's buckets share its KV storage and one memory pool.
+
+What changes from step to step lives in static device buffers filled from pinned host
+memory before each replay: tokens, positions, the last real row, each distinct layout's
+write slots and mask (layers with the same plan share them: two for Gemma 3, one for Qwen).
+The host still keeps the cache's books (``slot_pos``, ``offset``) as
+``LayerCache.update_and_fetch`` does, so trim, eager steps and everything else see the same
+cache. A layer attends as update_and_fetch does: over its storage after the write when the
+bucket fits in place (``LayerPlan.max_inplace``), else over the storage before the write
+followed by the new rows (a ring whose window a long slice would overwrite). The captured
+pass is ``Model.forward``'s own steps (embed, ``block_forward`` per layer, norm, output).
 
 A graph's KV storage is the tensors it was captured with. A new cache of the same layout whose
 predecessor is gone adopts them (its contents copied in), so a benchmark's or a chat's fresh
 caches do not capture again; a cache whose graph is in use by a live cache gets its own.
-Caches that rotate with sink tokens or store Q8_0 run eagerly.
+Caches that rotate with sink tokens or store Q8_0, slices that need all logits, and ring
+layers shorter than the slice run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -27,45 +39,77 @@ import torch
 
 from edgellm.cache import FloatStore, KVCache
 
-#: graphs kept per model (each holds its own KV storage and activation pool)
+log = logging.getLogger(__name__)
+
+#: graphs kept per model (each holds its own KV storage; their buckets share a memory pool)
 MAX_GRAPHS_PER_MODEL = 4
+#: token counts a step is captured for: decode, then prompt slices up to Model's PREFILL_CHUNK
+BUCKETS = (1, 16, 64, 128, 256, 512)
 
 
 class _StepLayer:
-    """Model.attention's view of one layer inside a captured step."""
+    """Model.attention's view of one layer inside a captured step of B tokens."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor,
-                 mask: torch.Tensor, kernels=None):
-        self.keys, self.values, self.slot, self.mask = keys, values, slot, mask
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                 mask: torch.Tensor, stored: int, in_place: bool, kernels=None):
+        # (stored + 1, KVH, hd): a spare last row; plain tensors (no subclass dispatch)
+        self.keys, self.values = (t.as_subclass(torch.Tensor) for t in (keys, values))
+        self.slots, self.mask = slots, mask  # (B,) write slots; (B, T) visibility
+        self.stored, self.in_place = stored, in_place
         self.kernels = kernels  # the triton kernels (GPU path), or None (CPU torch)
 
     def update_and_fetch(self, k, v):
-        """Write k, v (1, KVH, hd) at the static slot; the storage (slots, KVH, hd) and the
-        static mask (1, slots) to attend with."""
+        """Write k, v (B, KVH, hd) at the static slots; keys and values (T, KVH, hd) to
+        attend over and the static mask (B, T): T = the stored rows after the write (in
+        place), or the stored rows before it followed by the B new ones."""
         keys, values = self.keys, self.values
+        old_k, old_v = keys[:self.stored], values[:self.stored]
+        if not self.in_place:  # copies taken before the write below
+            old_k = torch.cat([old_k, k.to(keys.dtype)])
+            old_v = torch.cat([old_v, v.to(values.dtype)])
         if self.kernels is not None:
-            self.kernels.store_kv(keys, values, self.slot, k.contiguous(), v.contiguous())
+            self.kernels.store_kv(keys, values, self.slots, k.contiguous(), v.contiguous())
         else:
-            keys.index_copy_(0, self.slot, k.to(keys.dtype))
-            values.index_copy_(0, self.slot, v.to(values.dtype))
-        return keys, values, self.mask
+            keys.index_copy_(0, self.slots, k.to(keys.dtype))
+            values.index_copy_(0, self.slots, v.to(values.dtype))
+        return old_k, old_v, self.mask
+
+
+@dataclass
+class _Group:
+    """Layers of one plan: they share write slots and masks."""
+
+    layers: list  # layer indices
+    slots: int  # stored rows (the spare row is index ``slots``)
+    max_inplace: int
+    ring: bool
+
+
+@dataclass
+class _Bucket:
+    """One captured step size: its static buffers, views of them, its graph and outputs."""
+
+    size: int
+    host_i64: torch.Tensor  # tokens (B), positions (B), last row (1), slots (B) per group
+    host_masks: torch.Tensor  # every group's (B, T) mask, flattened and concatenated
+    dev_i64: torch.Tensor
+    dev_masks: torch.Tensor
+    mask_spans: list  # (start, T, in place) per group
+    inputs: tuple | None = None  # (ids, positions, last, layer views)
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None
+    eager: bool = False  # its capture failed: the step runs uncaptured
 
 
 @dataclass
 class _Graph:
+    """A cache layout's graphs: the KV storage they write and one bucket per step size."""
+
     signature: tuple
     owner: weakref.ref
-    groups: list  # per distinct layout: list of layer indices
-    host_i64: torch.Tensor  # pinned: token, position, slot per group
-    host_masks: torch.Tensor  # pinned: every group's mask, concatenated
-    dev_i64: torch.Tensor
-    dev_masks: torch.Tensor
-    mask_spans: list  # (start, length) of each group's mask in the flat buffer
-    stores: list = field(default_factory=list)  # (keys, values) per layer
-    inputs: tuple | None = None  # (ids, positions, layer views) over the static buffers
-    graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None
-    token: torch.Tensor | None = None  # argmax of the logits, on the device
+    groups: list[_Group]
+    stores: list  # (keys, values) per layer, each (slots + 1, KVH, hd)
+    buckets: dict = field(default_factory=dict)
 
 
 def _signature(cache: KVCache) -> tuple:
@@ -74,66 +118,92 @@ def _signature(cache: KVCache) -> tuple:
 
 
 def supported(cache: KVCache) -> bool:
-    """Can this cache's steps run as a graph? (f16/f32 torch storage, no sink tokens)"""
+    """Can this cache's steps run as graphs? (f16/f32 torch storage, no sink tokens)"""
     return all(isinstance(layer.store, FloatStore) and isinstance(layer.store.keys, torch.Tensor)
                and layer.plan.keep == 0 for layer in cache.layers)
 
 
-class DecodeGraphs:
-    """Captures and replays single-token decode steps for a TorchBackend on CUDA.
+def bucket_for(n: int) -> int | None:
+    """The smallest bucket that holds n tokens (None: more than the largest)."""
+    return next((b for b in BUCKETS if b >= n), None)
 
-    On the CPU (``capture`` False: tests) the same static-buffer step runs eagerly each time,
-    so everything but the capture itself (the host books, the buffers, adoption) is tested
-    without a GPU.
+
+class StepGraphs:
+    """Captures and replays forward steps of up to 512 tokens for a TorchBackend on CUDA.
+
+    On the CPU (``capture`` False: tests) the same static-buffer steps run eagerly each time,
+    so everything but the capture itself (the host books, padding, the buffers, adoption)
+    is tested without a GPU.
     """
 
     def __init__(self, backend):
         self.backend = backend
         self.capture = backend.cuda
         self._graphs: dict[int, list[_Graph]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.capture_seconds = 0.0  # total time spent capturing (reported apart from speed)
         self.captures = 0
-        self.last_token: torch.Tensor | None = None  # greedy token of the last step (device)
 
-    def decode(self, model, tokens: np.ndarray, cache: KVCache) -> np.ndarray | None:
-        """Logits (1, vocab) of one token, as ``model.forward`` returns them; None when the
-        cache cannot run as a graph (the caller then runs the step eagerly)."""
-        if len(tokens) != 1 or not supported(cache):
+    def forward(self, model, tokens: np.ndarray, cache: KVCache) -> np.ndarray | None:
+        """Logits (1, vocab) of the last of ``tokens``, as ``model.forward`` returns them;
+        None when the step cannot run as a graph (the caller then runs it eagerly)."""
+        n = len(tokens)
+        size = bucket_for(n)
+        if size is None or not supported(cache):
             return None
-        positions = cache.begin(1)  # ContextOverflow as forward would raise it
+        if n > 1 and any(layer.plan.is_ring and n > layer.plan.slots for layer in cache.layers):
+            return None  # a slice longer than a ring: update_and_fetch drops some of it
+        positions = cache.begin(n)  # ContextOverflow as forward would raise it
         g = self._graph_for(model, cache)
-        self._advance(g, cache, int(tokens[0]), int(positions[0]))
-        g.dev_i64.copy_(g.host_i64, non_blocking=True)
-        g.dev_masks.copy_(g.host_masks, non_blocking=True)
-        if g.inputs is None:
-            g.inputs = self._inputs(cache, g)
-        if not self.capture:
-            self.backend._rope_memo = (None, {})  # same positions tensor, new value
-            g.logits, g.token = _step(model, *g.inputs)
+        b = g.buckets.get(size) or g.buckets.setdefault(size, self._new_bucket(g, size))
+        self._advance(g, b, cache, tokens, positions)
+        b.dev_i64.copy_(b.host_i64, non_blocking=True)
+        b.dev_masks.copy_(b.host_masks, non_blocking=True)
+        if b.inputs is None:
+            b.inputs = self._inputs(g, b)
+        if self.capture and b.graph is None and not b.eager:
+            try:
+                self._capture(model, b)
+            except RuntimeError as exc:  # an op that cannot be captured: this bucket runs
+                b.eager = True  # its static-buffer step eagerly from now on
+                log.warning("CUDA graph capture of a %d-token step failed (%s); running "
+                            "it eagerly", b.size, exc)
+        if b.graph is not None:
+            b.graph.replay()
         else:
-            if g.graph is None:
-                self._capture(model, g)
-            g.graph.replay()
-        self.last_token = g.token
-        return g.logits.cpu().numpy()
+            self.backend._rope_memo = (None, {})  # same positions tensor, new values
+            b.logits = _step(model, *b.inputs)
+        return b.logits.cpu().numpy()
 
     # -- host books ------------------------------------------------------------------------
-    def _advance(self, g: _Graph, cache: KVCache, token: int, pos: int) -> None:
-        """What update_and_fetch does on the host for a 1-token step, once per layout."""
-        i64 = g.host_i64.numpy()
-        masks = g.host_masks.numpy()
-        i64[0], i64[1] = token, pos
-        new_pos = np.array([pos])
-        for gi, layer_ids in enumerate(g.groups):
-            lead = cache.layers[layer_ids[0]]
-            slot = int(lead.slot_of(new_pos)[0])
-            for li in layer_ids:
+    def _advance(self, g: _Graph, b: _Bucket, cache: KVCache, tokens: np.ndarray,
+                 positions: np.ndarray) -> None:
+        """What update_and_fetch does on the host for these tokens, once per layout; the
+        pads (rows n..B) repeat the last token and position and write the spare row."""
+        n, size = len(tokens), b.size
+        i64 = b.host_i64.numpy()
+        masks = b.host_masks.numpy()
+        i64[:n], i64[n:size] = tokens, tokens[-1]
+        i64[size:size + n], i64[size + n:2 * size] = positions, positions[-1]
+        i64[2 * size] = n - 1
+        for gi, group in enumerate(g.groups):
+            lead = cache.layers[group.layers[0]]
+            slots = lead.slot_of(positions)
+            start, width, in_place = b.mask_spans[gi]
+            mask = masks[start:start + size * width].reshape(size, width)
+            if not in_place:  # attends over the rows before the write, then the new ones
+                old = np.where(lead.slot_pos < positions[0], lead.slot_pos, -1)
+                pads = np.full(size - n, -1)  # never seen
+                mask[:n] = lead.mask(positions, np.concatenate([old, positions, pads]))
+            for li in group.layers:
                 layer = cache.layers[li]
-                layer.slot_pos[slot] = pos
-                layer.offset = pos + 1
-            i64[2 + gi] = slot
-            start, length = g.mask_spans[gi]
-            masks[start:start + length] = lead.mask(new_pos, lead.slot_pos)[0]
+                layer.slot_pos[slots] = positions
+                layer.offset = int(positions[-1]) + 1
+            if in_place:
+                mask[:n] = lead.mask(positions, lead.slot_pos)
+            mask[n:] = mask[n - 1]  # pads: the last row's (no row without a visible key)
+            base = 2 * size + 1 + gi * size
+            i64[base:base + n], i64[base + n:base + size] = slots, group.slots
 
     # -- graphs ----------------------------------------------------------------------------
     def _graph_for(self, model, cache: KVCache) -> _Graph:
@@ -144,11 +214,7 @@ class DecodeGraphs:
         sig = _signature(cache)
         for g in graphs:  # adopt a graph whose cache is gone
             if g.signature == sig and g.owner() is None:
-                for layer, (keys, values) in zip(cache.layers, g.stores, strict=True):
-                    keys.copy_(layer.store.keys)
-                    values.copy_(layer.store.values)
-                    layer.store.keys, layer.store.values = keys, values
-                g.owner = weakref.ref(cache)
+                self._attach(g, cache)
                 return g
         if len(graphs) >= MAX_GRAPHS_PER_MODEL:
             graphs.pop(0)
@@ -156,69 +222,96 @@ class DecodeGraphs:
         graphs.append(g)
         return g
 
+    @staticmethod
+    def _attach(g: _Graph, cache: KVCache) -> None:
+        """Make g's storage the cache's: its rows copied in, the cache viewing them."""
+        for layer, (keys, values) in zip(cache.layers, g.stores, strict=True):
+            rows = layer.plan.slots
+            keys[:rows].copy_(layer.store.keys)
+            values[:rows].copy_(layer.store.values)
+            layer.store.keys, layer.store.values = keys[:rows], values[:rows]
+        g.owner = weakref.ref(cache)
+
     def _new_graph(self, cache: KVCache, sig: tuple) -> _Graph:
         groups: dict = {}
         for i, layer in enumerate(cache.layers):
             groups.setdefault(layer.plan, []).append(i)
-        group_list = list(groups.values())
+        group_list = [_Group(ids, plan.slots, plan.max_inplace, plan.is_ring)
+                      for plan, ids in groups.items()]
+        stores = []
+        for layer in cache.layers:  # one spare row each, for the pads' writes
+            keys = layer.store.keys
+            shape = (keys.shape[0] + 1, *keys.shape[1:])
+            stores.append(tuple(torch.zeros(shape, dtype=keys.dtype, device=keys.device)
+                                .as_subclass(type(keys)) for _ in range(2)))
+        g = _Graph(sig, weakref.ref(cache), group_list, stores)
+        self._attach(g, cache)
+        return g
+
+    def _new_bucket(self, g: _Graph, size: int) -> _Bucket:
         spans, total = [], 0
-        for ids in group_list:
-            length = cache.layers[ids[0]].plan.slots
-            spans.append((total, length))
-            total += length
-        dev = self.backend.device
-        host_i64 = torch.zeros(2 + len(group_list), dtype=torch.int64)
+        for group in g.groups:
+            in_place = size <= group.max_inplace
+            width = group.slots + (0 if in_place else size)
+            spans.append((total, width, in_place))
+            total += size * width
+        host_i64 = torch.zeros(2 * size + 1 + len(g.groups) * size, dtype=torch.int64)
         host_masks = torch.zeros(total, dtype=torch.bool)
         if self.capture:  # pinned: copied to the device without a stall
             host_i64, host_masks = host_i64.pin_memory(), host_masks.pin_memory()
-        return _Graph(sig, weakref.ref(cache), group_list, host_i64, host_masks,
-                      host_i64.to(dev), host_masks.to(dev), spans,
-                      stores=[(layer.store.keys, layer.store.values) for layer in cache.layers])
+        dev = self.backend.device
+        return _Bucket(size, host_i64, host_masks, host_i64.to(dev), host_masks.to(dev), spans)
 
-    def _inputs(self, cache: KVCache, g: _Graph) -> tuple:
-        """(ids (1,), positions (1,), per-layer views) over the graph's device buffers."""
-        layers = {}
-        for gi, layer_ids in enumerate(g.groups):
-            s, length = g.mask_spans[gi]
-            slot = g.dev_i64[2 + gi:3 + gi]
-            mask = g.dev_masks[s:s + length].view(1, length)
-            for li in layer_ids:
-                layers[li] = _StepLayer(*g.stores[li], slot, mask, self.backend.kernels)
-        return g.dev_i64[0:1], g.dev_i64[1:2], [layers[i] for i in range(len(layers))]
+    def _inputs(self, g: _Graph, b: _Bucket) -> tuple:
+        """(ids (B,), positions (B,), last (1,), per-layer views) over b's device buffers."""
+        size, layers = b.size, {}
+        for gi, group in enumerate(g.groups):
+            start, width, in_place = b.mask_spans[gi]
+            base = 2 * size + 1 + gi * size
+            slots = b.dev_i64[base:base + size]
+            mask = b.dev_masks[start:start + size * width].view(size, width)
+            for li in group.layers:
+                layers[li] = _StepLayer(*g.stores[li], slots, mask, group.slots, in_place,
+                                        self.backend.kernels)
+        i64 = b.dev_i64
+        return (i64[:size], i64[size:2 * size], i64[2 * size:2 * size + 1],
+                [layers[i] for i in range(len(layers))])
 
-    def _capture(self, model, g: _Graph) -> None:
+    def _capture(self, model, b: _Bucket) -> None:
         """Warm up (triton compiles) on a side stream, then capture one step. Both write only
-        the slot this step writes anyway, which the replay then overwrites."""
+        the slots this step writes anyway, which the replay then overwrites."""
         start = time.perf_counter()
-        ids, positions, view = g.inputs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                _step(model, ids, positions, view)
+                _step(model, *b.inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.backend._rope_memo = (None, {})  # tables must be computed inside the graph
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g.logits, g.token = _step(model, ids, positions, view)
+        with torch.cuda.graph(graph, pool=self._pool):
+            b.logits = _step(model, *b.inputs)
         self.backend._rope_memo = (None, {})
-        g.graph = graph
+        b.graph = graph
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - start
         self.captures += 1
 
 
-def _step(model, ids: torch.Tensor, positions: torch.Tensor, layers: list):
-    """Model.forward's steps for one token (ids (1,), positions (1,) on the device):
-    logits (1, vocab) and their argmax."""
+def _step(model, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
+          layers: list) -> torch.Tensor:
+    """Model.forward's steps for B tokens (ids, positions (B,) on the device): the logits
+    (1, vocab) of row ``last``."""
     B = model.backend
-    x = B.embed(model.tok_embd, ids)  # (1, d)
+    x = B.embed(model.tok_embd, ids)  # (B, d)
     if model.embed_scale != 1.0:
         x = B.scale(x, model.embed_scale)
     for i, (block, layer) in enumerate(zip(model.blocks, layers, strict=True)):
         x = model.block_forward(i, block, x, positions, layer)
+    if x.shape[0] > 1:
+        x = x.index_select(0, last)  # (1, d)
     x = B.rms_norm(x, model.output_norm, model.args.norm_eps)
     logits = B.matmul(x, model.output)  # (1, vocab)
     if model.args.final_logit_softcap:
         logits = B.softcap(logits, model.args.final_logit_softcap)
-    return logits, torch.argmax(logits[0])
+    return logits

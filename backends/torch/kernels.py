@@ -452,8 +452,9 @@ MATVEC_TILES: dict[int, tuple[int, int, int]] = {}
 
 
 def matvec_tile(rows: int, n_chunks: int) -> tuple[int, int, int]:
-    """The mat-vec tile for a matrix of ``rows`` rows of ``n_chunks`` 64-weight chunks."""
-    if n_chunks >= SPLIT_MIN_CHUNKS or rows >= 4096:
+    """The mat-vec tile for a matrix of ``rows`` rows of ``n_chunks`` 64-weight chunks (the
+    interpreter, which runs programs one after another, always takes the largest)."""
+    if n_chunks >= SPLIT_MIN_CHUNKS or rows >= 4096 or _INTERPRETING:
         return 16, 8, 4
     return (4, 8, 4) if rows > 512 else (2, 8, 4)
 

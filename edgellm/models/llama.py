@@ -174,9 +174,9 @@ class Model:
                      for i in range(0, len(tokens), PREFILL_CHUNK)]
             return np.concatenate(parts) if all_logits else parts[-1]
         B = self.backend
-        graphs = getattr(B, "graphs", None)  # a device backend replaying decode steps
-        if graphs is not None and len(tokens) == 1 and not all_logits:
-            logits = graphs.decode(self, tokens, cache)
+        graphs = getattr(B, "graphs", None)  # a device backend replaying captured steps
+        if graphs is not None and not all_logits:
+            logits = graphs.forward(self, tokens, cache)
             if logits is not None:
                 return logits
         positions = cache.begin(len(tokens))  # raises ContextOverflow past the budget
