@@ -157,9 +157,10 @@ def test_rms_norm_rope_glu():
                                                      (1, 300, 40, False, 0.0),
                                                      (4, 100, 0, True, 30.0)])
 def test_attention_split_kernels(heads, kv_heads, hd, n, T, window, ring, softcap):
-    """The flash-decoding pair against the numpy reference over an f16 cache: one split and
-    several (300 slots: 10), GQA groups of 1..20, soft-capping, sliding windows (whole tiles
-    masked) and ring slots out of position order."""
+    """Flash-decoding against the numpy reference over an f16 cache: one split and several
+    (300 slots: 10; the last to finish combines them, and resets its counter), GQA groups of
+    1..20, soft-capping, sliding windows (whole tiles masked) and ring slots out of position
+    order."""
     rng = np.random.default_rng(T + heads)
     q = rng.standard_normal((n, heads, hd)).astype(np.float32)
     k = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
@@ -172,6 +173,7 @@ def test_attention_split_kernels(heads, kv_heads, hd, n, T, window, ring, softca
     got = kernels.attention(t(q), t(k), t(v), t(mask), hd ** -0.5, softcap).cpu().numpy()
     want = REF.attention(q, k, v, mask, hd ** -0.5, softcap)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert all(not c.any() for c in kernels._split_counters.values())
 
 
 def test_store_kv():

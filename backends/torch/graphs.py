@@ -99,6 +99,7 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
     eager: bool = False  # its capture failed: the step runs uncaptured
+    host_logits: torch.Tensor | None = None  # pinned copy of the logits
 
 
 @dataclass
@@ -173,7 +174,13 @@ class StepGraphs:
         else:
             self.backend._rope_memo = (None, {})  # same positions tensor, new values
             b.logits = _step(model, *b.inputs)
-        return b.logits.cpu().numpy()
+        if not self.capture:
+            return b.logits.cpu().numpy()
+        if b.host_logits is None:  # pinned: a DMA straight into it (pageable: staged)
+            b.host_logits = torch.empty(b.logits.shape, dtype=b.logits.dtype, pin_memory=True)
+        b.host_logits.copy_(b.logits, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return b.host_logits.numpy().copy()  # the caller's own (the buffer is reused)
 
     # -- host books ------------------------------------------------------------------------
     def _advance(self, g: _Graph, b: _Bucket, cache: KVCache, tokens: np.ndarray,

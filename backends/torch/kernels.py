@@ -9,7 +9,7 @@
 - ``dequantize``: W (or some of its rows: embedding lookups) to f16/f32, for prefill GEMMs.
 - ``round_activations``: x rounded to those 8-bit blocks, in float (the GEMM's input).
 - ``attention``: flash-decoding for <= 8 queries: programs over (token, head, 32 key slots)
-  in f32 from the f16 cache, then one combining program per head.
+  in f32 from the f16 cache; the last of a head's programs to finish combines them.
 - ``rms_norm``, ``rope``, ``glu``, ``store_kv``: one launch each instead of a handful of
   torch ops (in decode, launches rather than bytes set much of the pace).
 
@@ -345,13 +345,16 @@ def _glu_kernel(g_ptr, u_ptr, out_ptr, n, GELU: tl.constexpr, BLOCK: tl.constexp
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, T, H, KVH,
-                       n_splits, scale, softcap, G: tl.constexpr, HD: tl.constexpr,
-                       BT: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr):
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+                       count_ptr, T, H, KVH, n_splits, scale, softcap, G: tl.constexpr,
+                       HD: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr,
+                       SOFTCAP: tl.constexpr, NS: tl.constexpr):
     """Attention of one token's query head over SPLIT key slots: the running max, sum of
     exponentials and weighted sum of values (flash-decoding's partial results), in f32
     from the cache's f16 (or f32) keys and values. A program per (token, head, split):
-    enough of them at one token to fill a GPU."""
+    enough of them at one token to fill a GPU. The last split of a (token, head) to finish
+    (a counter each, as the split-K mat-vec) combines the partial results into the output:
+    no second launch."""
     tok = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -381,28 +384,33 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, T, 
                         other=0.0).to(tl.float32)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
-    part = (tok * H + h) * n_splits + sp
+    row = tok * H + h
+    part = row * n_splits + sp
     one = tl.arange(0, 1)
     tl.store(m_ptr + part + one, m_i)
     tl.store(l_ptr + part + one, l_i)
     tl.store(acc_ptr + part.to(tl.int64) * HD + d, acc)
+    tl.debug_barrier()  # every thread's partial written before the count is released
+    if tl.atomic_add(count_ptr + row, 1) == n_splits - 1:  # acq_rel: sees the others'
+        _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD, NS)
+        tl.atomic_xchg(count_ptr + row, 0)  # ready for the next launch
 
 
 @triton.jit
-def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, n_splits, HD: tl.constexpr,
-                         NS: tl.constexpr):
-    """One query head's output (program (token, head)) from its partial results."""
-    row = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)  # token * H + head
+def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD: tl.constexpr,
+                  NS: tl.constexpr):
+    """One query head's output (row = token * H + head) from its partial results (read
+    past L1: other programs wrote them)."""
     s = tl.arange(0, NS)
     d = tl.arange(0, HD)
     sm = s < n_splits
     part = row * n_splits + s
-    m = tl.load(m_ptr + part, mask=sm, other=float("-inf"))
-    l_s = tl.load(l_ptr + part, mask=sm, other=0.0)
+    m = tl.load(m_ptr + part, mask=sm, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(l_ptr + part, mask=sm, other=0.0, cache_modifier=".cg")
     top = tl.max(m, axis=0)
     w = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))  # (NS,)
     acc = tl.load(acc_ptr + part.to(tl.int64)[:, None] * HD + d[None, :], mask=sm[:, None],
-                  other=0.0)
+                  other=0.0, cache_modifier=".cg")
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
     tl.store(out_ptr + row.to(tl.int64) * HD + d, out)
 
@@ -464,8 +472,9 @@ _split_counters: dict = {}  # device -> int32 counters of the split-K mat-vec (s
 
 
 def _counters(device, n: int):
-    """Zeroed int32 counters, one per row block of a split-K mat-vec; each launch's last
-    programs set theirs back to zero, so one buffer serves every launch (and CUDA graphs)."""
+    """Zeroed int32 counters, one per row block of a split-K mat-vec or per (token, head) of
+    attention; each launch's last programs set theirs back to zero, so one buffer serves
+    every launch (and CUDA graphs) on the stream."""
     import torch
 
     buf = _split_counters.get(device)
@@ -608,8 +617,9 @@ ATTENTION_MAX_QUERIES = 8
 
 def attention(q, k, v, mask, scale: float, softcap: float = 0.0):
     """q (n, H, hd) f32 contiguous; k, v (T, KVH, hd) f16 or f32 contiguous; mask (n, T)
-    bool -> (n, H, hd) f32. Split over the key slots (flash-decoding), then combined: enough
-    programs for a GPU at one token. hd must be a power of two."""
+    bool -> (n, H, hd) f32. Split over the key slots (flash-decoding: enough programs for a
+    GPU at one token), combined by each head's last split to finish, in one launch. hd must
+    be a power of two."""
     import torch
 
     n, H, hd = q.shape
@@ -621,13 +631,12 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0):
     m = torch.empty((n, H, n_splits), dtype=torch.float32, device=dev)
     l_s = torch.empty_like(m)
     acc = torch.empty((n, H, n_splits, hd), dtype=torch.float32, device=dev)
-    _attn_split_kernel[(n, H, n_splits)](
-        q, k, v, mask.view(torch.uint8), m, l_s, acc, T, H, kvh, n_splits, scale,
-        softcap or 1.0, G=H // kvh, HD=hd, BT=bt, SPLIT=split, SOFTCAP=bool(softcap),
-        num_warps=2 if hd <= 128 else 4)
     out = torch.empty((n, H, hd), dtype=torch.float32, device=dev)
-    _attn_combine_kernel[(n, H)](m, l_s, acc, out, n_splits, HD=hd,
-                                 NS=max(triton.next_power_of_2(n_splits), 2), num_warps=1)
+    _attn_split_kernel[(n, H, n_splits)](
+        q, k, v, mask.view(torch.uint8), m, l_s, acc, out, _counters(dev, n * H), T, H, kvh,
+        n_splits, scale, softcap or 1.0, G=H // kvh, HD=hd, BT=bt, SPLIT=split,
+        SOFTCAP=bool(softcap), NS=max(triton.next_power_of_2(n_splits), 2),
+        num_warps=2 if hd <= 128 else 4)
     return out
 
 
