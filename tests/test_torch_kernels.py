@@ -217,3 +217,49 @@ def test_matmuls_stack_neighbours_of_one_type(n):
     for want, got in zip(*outs, strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["norm", "silu", "gelu"])
+@pytest.mark.parametrize("n,K", [(1, 512), (3, 896), (2, 640)])
+def test_then_quantize_equals_the_two_launches(op, n, K):
+    """A norm or GLU and its 8-bit blocks in one launch: bit-identical to rms_norm / glu and
+    then quantize_activations (per 32 always, per 256 when K allows), padding included."""
+    rng = np.random.default_rng(K + n)
+    a = t(rng.standard_normal((n, K)).astype(np.float32) * 3)
+    b = t(rng.standard_normal(K if op == "norm" else (n, K)).astype(np.float32))
+    out, blocks = kernels.then_quantize(op, a, b, 1e-6)
+    want = (kernels.rms_norm(a, b, 1e-6) if op == "norm" else kernels.glu(a, b, op == "gelu"))
+    assert torch.equal(out, want)
+    padded = -(-K // 64) * 64
+    assert sorted(blocks) == ([32, 256] if K % 256 == 0 else [32])
+    for block, (xq, xd) in blocks.items():
+        wq, wd = kernels.quantize_activations(want, block, padded)
+        assert torch.equal(xq, wq) and torch.equal(xd, wd)
+
+
+def test_matmul_after_a_norm_uses_its_blocks(monkeypatch):
+    """A mat-vec of a norm's output takes the blocks the norm wrote (no quantize launch):
+    results equal the two-launch path's exactly; a later, different input quantizes again."""
+    from edgellm.backends.torch.backend import TorchBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensor = random_tensor(Q.Q4_K, 24, 512, seed=2)
+    rng = np.random.default_rng(2)
+    x, w = (rng.standard_normal(s).astype(np.float32) for s in ((1, 512), 512))
+    outs = []
+    for fused in (False, True):
+        be = TorchBackend(device=device, triton=not torch.cuda.is_available())
+        be.fuse_quantize = fused
+        weight = be.prepare(tensor)
+        normed = be.rms_norm(be.asarray(x), be.asarray(w), 1e-6)
+        if fused:
+            calls = []
+            real = kernels.quantize_activations
+            monkeypatch.setattr(kernels, "quantize_activations",
+                                lambda *a, calls=calls, real=real: calls.append(1) or real(*a))
+        outs.append(be.to_numpy(be.matmul(normed, weight)))
+        if fused:
+            assert not calls
+            be.matmul(be.asarray(x), weight)  # not the norm's output
+            assert calls
+    np.testing.assert_array_equal(outs[1], outs[0])

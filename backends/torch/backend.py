@@ -164,6 +164,10 @@ class TorchBackend(Backend):
         self._consts: dict[tuple, torch.Tensor] = {}  # rope frequencies etc., on the device
         self._rope_memo: tuple = (None, {})  # (positions object, {params: (cos, sin)})
         self._stacks: dict[tuple, tuple] = {}  # matmuls' weight ids -> (weights, _stacked plan)
+        # the last norm or GLU output quantized in its own launch: (tensor, {block: blocks})
+        self._prequantized: tuple = (None, {})
+        #: norms and GLUs of <= 8 tokens also write their output's 8-bit blocks (GPU path)
+        self.fuse_quantize = os.environ.get("EDGELLM_FUSE_QUANTIZE", "1") != "0"
         self.graphs = None
         if graphs is None:
             graphs = self.cuda and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0"
@@ -275,6 +279,9 @@ class TorchBackend(Backend):
             return x
         matvec = w.planes is not None and x.shape[0] <= self.kernels.MATVEC_MAX_TOKENS
         key = (block, w.planes.padded if matvec else 0)
+        made_with, blocks = self._prequantized
+        if matvec and key not in done and made_with is x and block in blocks:
+            done[key] = blocks[block]  # quantized by the norm or GLU that made x
         if key not in done:
             if matvec:
                 done[key] = self.kernels.quantize_activations(x, block, w.planes.padded)
@@ -358,6 +365,8 @@ class TorchBackend(Backend):
         if self.ggml_numerics:
             return self._like_ggml(rms_norm_like_ggml, x, weight, eps)
         if self.kernels is not None and x.is_contiguous():
+            if self._quantizes_after(x):
+                return self._then_quantize("norm", x, weight, eps)
             return self.kernels.rms_norm(x, weight, eps)
         ms = x.square().mean(-1, keepdim=True)
         return x / torch.sqrt(ms + eps) * weight
@@ -451,16 +460,34 @@ class TorchBackend(Backend):
                                              scale=scale)  # (1, KVH, group * n, hd)
         return out.reshape(kvh, group, n, hd).permute(2, 0, 1, 3).reshape(n, H, hd)
 
+    def _quantizes_after(self, x: torch.Tensor) -> bool:
+        """Does a norm or GLU of x (n, K) quantize its output in the same launch? (up to the
+        mat-vec's token count, where a matmul of it then runs no quantize launch)"""
+        return (self.fuse_quantize and x.dim() == 2
+                and x.shape[0] <= self.kernels.MATVEC_MAX_TOKENS)
+
+    def _then_quantize(self, op: str, a, b, eps: float = 0.0) -> torch.Tensor:
+        """kernels.then_quantize, its 8-bit blocks kept for the next matmul of the output."""
+        out, blocks = self.kernels.then_quantize(op, a, b, eps)
+        self._prequantized = (out, blocks)
+        return out
+
+    def _glu(self, gate, up, gelu: bool) -> torch.Tensor:
+        gate, up = gate.contiguous(), up.contiguous()
+        if self._quantizes_after(gate):
+            return self._then_quantize("gelu" if gelu else "silu", gate, up)
+        return self.kernels.glu(gate, up, gelu)
+
     def silu_mul(self, gate, up) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.glu(gate.contiguous(), up.contiguous(), False)
+            return self._glu(gate, up, False)
         return F.silu(gate) * up
 
     def gelu_tanh_mul(self, gate, up) -> torch.Tensor:
         if self.ggml_numerics:
             return self._like_ggml(geglu_like_ggml, gate, up)
         if self.kernels is not None:
-            return self.kernels.glu(gate.contiguous(), up.contiguous(), True)
+            return self._glu(gate, up, True)
         return F.gelu(gate, approximate="tanh") * up
 
     def softcap(self, x, cap: float) -> torch.Tensor:

@@ -262,6 +262,44 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, K, KP, BLOCK: tl.constexpr, K_QUANT: t
 
 
 @triton.jit
+def _then_q8_kernel(a_ptr, b_ptr, out_ptr, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K, KP, eps,
+                    OP: tl.constexpr, ROW: tl.constexpr, K256: tl.constexpr):
+    """A row op (OP 0: RMS norm of a times weights b; 1: silu(a) * b; 2: gelu_tanh(a) * b)
+    over 256 values of a row, written to out as rms_norm/glu write it, and the same values
+    as 8-bit blocks for the mat-vec that follows, both ways quantize_activations makes them:
+    per 32 (q32 (n, KP) int8, d32 (n, KP / 32)) and, when K is a multiple of 256, per 256
+    (q256, d256). One launch instead of two (a program per row and 256 values)."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * 256 + tl.arange(0, 256)
+    ok = j < K
+    a = tl.load(a_ptr + row * K + j, mask=ok, other=0.0)
+    if OP == 0:  # the mean square over the whole row, as _rms_norm_kernel sums it
+        jr = tl.arange(0, ROW)
+        xr = tl.load(a_ptr + row * K + jr, mask=jr < K, other=0.0)
+        ms = tl.sum(xr * xr, axis=0) / K
+        w = tl.load(b_ptr + j, mask=ok, other=0.0)
+        y = a / tl.sqrt_rn(ms + eps) * w
+    else:
+        u = tl.load(b_ptr + row * K + j, mask=ok, other=0.0)
+        y = _glu_act(a, OP == 2) * u
+    tl.store(out_ptr + row * K + j, y, mask=ok)
+    inside = j < KP
+    y2 = tl.reshape(y, (8, 32))  # Q8_0 per 32, as _block_q8 rounds it
+    amax = tl.max(tl.abs(y2), axis=1)  # (8,)
+    safe = tl.where(amax == 0.0, 1.0, amax)
+    q2 = ((y2 * tl.math.div_rn(127.0, safe)[:, None]) + _MAGIC) - _MAGIC
+    d2 = tl.where(amax == 0.0, 0.0, tl.math.div_rn(safe, 127.0)).to(tl.float16).to(tl.float32)
+    tl.store(q32_ptr + row * KP + j, tl.reshape(q2, (256,)).to(tl.int8), mask=inside)
+    g = tl.program_id(1) * 8 + tl.arange(0, 8)
+    tl.store(d32_ptr + row * (KP // 32) + g, d2, mask=g < KP // 32)
+    if K256:  # Q8_K per 256
+        q, d = _block_q8(y, tl.arange(0, 256), 256, True)
+        tl.store(q256_ptr + row * KP + j, q.to(tl.int8), mask=inside)
+        tl.store(d256_ptr + row * (KP // 32) + g, tl.zeros_like(g.to(tl.float32)) + d,
+                 mask=g < KP // 32)
+
+
+@triton.jit
 def _dequant_kernel(out_ptr, ids_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr,
                     N, K, nq, ng, nsup, n_chunks,
                     KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr,
@@ -335,13 +373,19 @@ def _glu_kernel(g_ptr, u_ptr, out_ptr, n, GELU: tl.constexpr, BLOCK: tl.constexp
     ok = offs < n
     g = tl.load(g_ptr + offs, mask=ok, other=0.0)
     u = tl.load(u_ptr + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, _glu_act(g, GELU) * u, mask=ok)
+
+
+@triton.jit
+def _glu_act(g, GELU: tl.constexpr):
+    """gelu_tanh(g) or silu(g)."""
     if GELU:
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # tanh, saturating at both ends
         act = 0.5 * g * (1.0 + t)
     else:
         act = g / (1.0 + tl.exp(-g))
-    tl.store(out_ptr + offs, act * u, mask=ok)
+    return act
 
 
 @triton.jit
@@ -587,6 +631,29 @@ def rms_norm(x, w, eps: float):
     _rms_norm_kernel[(rows,)](x, w, out, D, eps, BLOCK=triton.next_power_of_2(D),
                               num_warps=4 if D >= 1024 else 1)
     return out
+
+
+def then_quantize(op: str, a, b, eps: float = 0.0):
+    """``rms_norm(a, b, eps)`` (op "norm") or ``glu(a, b, gelu)`` (op "silu", "gelu") of a
+    (n, K) f32, and its 8-bit blocks for a mat-vec, in one launch: (out, {32: (xq, xd),
+    256: (xq, xd)}) with xq, xd as ``quantize_activations(out, block, padded)`` gives them
+    (padded: K rounded up to 64; 256 only when K is a multiple of 256)."""
+    import torch
+
+    n, K = a.shape
+    padded = -(-K // 64) * 64
+    out = torch.empty_like(a)
+    blocks = {}
+    for block in (32, 256) if K % 256 == 0 else (32,):
+        blocks[block] = (torch.empty((n, padded), dtype=torch.int8, device=a.device),
+                         torch.empty((n, padded // 32), dtype=torch.float32, device=a.device))
+    q256, d256 = blocks.get(256, blocks[32])
+    _then_q8_kernel[(n, triton.cdiv(padded, 256))](
+        a, b, out, *blocks[32], q256, d256, K, padded, eps,
+        OP={"norm": 0, "silu": 1, "gelu": 2}[op], ROW=triton.next_power_of_2(K),
+        K256=256 in blocks,
+        num_warps=4 if K >= 1024 or op != "norm" else 1)  # rms_norm's: the same sum, bits
+    return out, {block: (q.view(torch.int32), d) for block, (q, d) in blocks.items()}
 
 
 def rope(x, cos, sin, neox: bool):
