@@ -11,7 +11,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests bench profile matvec sweep llama"}
+STEPS=${STEPS:-"llama bench tests profile ab matvec sweep"}
 mkdir -p "$OUT" /tmp/m
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -26,13 +26,6 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for s in .device/skel/*.skel.gz; do
     python3 benchmarks/synthetic_gguf.py fill "$s" "/tmp/m/$(basename "$s" .skel.gz).gguf" &
 done
-if has tests; then
-    echo "== tests on CUDA"
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_torch_kernels.py \
-        tests/test_torch_models.py tests/test_backend_conformance.py -k "torch and not teacher" \
-        > "$OUT/pytest.log" 2>&1
-    echo "pytest rc=$?"; tail -n 25 "$OUT/pytest.log"
-fi
 wait
 ls -la /tmp/m
 MODELS=(/tmp/m/gemma-3-270m-q4_k_m.gguf /tmp/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -55,13 +48,35 @@ if has bench; then
         echo "== edgellm bench --backend torch $(basename "$m")"
         timeout 100 python3 -m edgellm.apps.cli bench -m "$m" --backend torch -p 512 -n 128 \
             -r 3 -o json > "$OUT/bench-$(basename "$m" .gguf).json" 2> "$OUT/bench.err"
-        echo "rc=$?"; tail -n 3 "$OUT/bench.err"
+        rc=$?; echo "rc=$rc"; tail -n 3 "$OUT/bench.err"
+        if [ $rc != 0 ]; then  # the fusions off, to have figures at all
+            echo "== again with EDGELLM_FUSE_QUANTIZE=0"
+            EDGELLM_FUSE_QUANTIZE=0 timeout 100 python3 -m edgellm.apps.cli bench -m "$m" \
+                --backend torch -p 512 -n 128 -r 3 -o json \
+                > "$OUT/bench-$(basename "$m" .gguf).json" 2> "$OUT/bench.err"
+            echo "rc=$?"; tail -n 3 "$OUT/bench.err"
+        fi
         python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s', {k: r.get(k) for k in ('capture_s','peak_device_memory','device_weight_bytes','kv_bytes','bandwidth','peak_bandwidth','ttft_ms')}) for r in json.load(open(sys.argv[1]))]" "$OUT/bench-$(basename "$m" .gguf).json"
     done
+fi
+if has tests; then  # (after the speed runs: a hung test cannot cost their figures)
+    echo "== tests on CUDA"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_torch_kernels.py \
+        tests/test_torch_models.py tests/test_backend_conformance.py -k "torch and not teacher" \
+        > "$OUT/pytest.log" 2>&1
+    echo "pytest rc=$?"; tail -n 25 "$OUT/pytest.log"
 fi
 if has profile; then
     echo "== decode profile (1.5B)"
     timeout 90 python3 benchmarks/torch_profile.py "${MODELS[2]}" 2>&1 | tee "$OUT/profile.txt" | tail -n 40
+fi
+if has ab; then  # decode with and without the norm/GLU + quantize fusion, interleaved
+    for fuse in 0 1 0 1; do
+        echo "== 1.5B tg128, EDGELLM_FUSE_QUANTIZE=$fuse"
+        EDGELLM_FUSE_QUANTIZE=$fuse timeout 60 python3 -m edgellm.apps.cli bench \
+            -m "${MODELS[2]}" --backend torch -p 0 -n 128 -r 3 -o json 2>/dev/null \
+            | python3 -c "import json,sys; print([round(r['mean_ts'], 1) for r in json.load(sys.stdin)])"
+    done
 fi
 if has matvec; then
     echo "== mat-vec GB/s"
