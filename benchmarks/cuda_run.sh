@@ -7,7 +7,7 @@
 # Carried in .device/ (git-ignored): whl/ (packages the machine lacks: gguf, cffi, ...),
 # skel/*.skel.gz (synthetic_gguf.py skeleton of each model), llama/ (optional:
 # llama-bench.xz, built with -DGGML_CUDA=ON against CUDA 13, and lib/libgomp.so.1).
-# Logs go to $OUT. STEPS picks what runs (default: all).
+# Logs go to $OUT. STEPS picks what runs (default: all); PYTEST_K narrows the tests.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
@@ -62,7 +62,7 @@ fi
 if has tests; then  # (after the speed runs: a hung test cannot cost their figures)
     echo "== tests on CUDA"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_torch_kernels.py \
-        tests/test_torch_models.py tests/test_backend_conformance.py -k "torch and not teacher" \
+        tests/test_torch_models.py tests/test_backend_conformance.py -k "${PYTEST_K:-torch and not teacher}" \
         > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$?"; tail -n 25 "$OUT/pytest.log"
 fi

@@ -112,8 +112,14 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
                     layers=2 if triton else None)
     if window:  # layers 0, 2 windowed (ring of window + reserve), layer 1 global
         net.layer_window = lambda i: 0 if i == 1 else window
-    prompt = [1, 5, 9, 200, 7, 3] if window else [1 + (11 * i) % 250 for i in range(70)]
-    turn = [17, 4, 33, 98, 2, 61, 5, 8] if window else [3 + (5 * i) % 250 for i in range(20)]
+    # CUDA's f16 GEMMs (above 8 tokens) round differently for another row count, and 8-bit
+    # activations amplify that (test_triton_path_follows_cpu_torch): there, slices that take
+    # the GEMM fill their bucket exactly; <= 8 tokens (the mat-vec: the same arithmetic at any
+    # row count) and every slice on the CPU are padded
+    prompt = [1, 5, 9, 200, 7, 3] if window else [1 + (11 * i) % 250
+                                                  for i in range(64 if CUDA else 70)]
+    turn = [17, 4, 33, 98, 2, 61] if window else [3 + (5 * i) % 250
+                                                  for i in range(16 if CUDA else 20)]
     steps = [11 + (7 * i) % 250 for i in range(4 if triton else 40 if window else 8)]
     graphs = backend.graphs
     config = CacheConfig(max_tokens=80 if window else 104, reserve=4)  # 104 < a bucket
@@ -134,7 +140,8 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
     sizes = sorted(g.buckets)
     assert sizes == sorted({1, *(graphs_module.bucket_for(len(p)) for p in (prompt, turn))})
     modes = {mode for b in g.buckets.values() for _, _, mode in b.mask_spans}
-    assert modes == {True, False}  # some steps in place, some over old rows + new ones
+    if window or not CUDA:  # some steps in place, some over old rows + new ones (an exact
+        assert modes == {True, False}  # bucket fits a linear layer in place)
     if window:
         assert len({layer.plan for layer in cache.layers}) == 2
         assert cache.layers[0].plan.is_ring and cache.offset > cache.layers[0].plan.slots

@@ -4,7 +4,7 @@ the 1.5B: ~1,500 launches, 10 ms on the GPU, 50 ms of wall time). Replaying them
 graph removes that.
 
 A step of n tokens runs the graph of the smallest bucket (``BUCKETS``) that holds it: decode
-(1 token) exactly, a prompt slice padded to 16..512 tokens. The pads repeat the last token
+(1 token) exactly, a prompt slice padded to 8..512 tokens. The pads repeat the last token
 at its position, write their keys to a spare row of the KV storage that no query reads, and
 their outputs are dropped (every op but attention works row by row, and attention masks
 them). A graph is captured once per model, cache layout and bucket, and replayed for every
@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 #: graphs kept per model (each holds its own KV storage; their buckets share a memory pool)
 MAX_GRAPHS_PER_MODEL = 4
 #: token counts a step is captured for: decode, then prompt slices up to Model's PREFILL_CHUNK
-BUCKETS = (1, 16, 64, 128, 256, 512)
+#: (8: the mat-vec's largest count, so that 2..8 tokens multiply as eagerly, in integers)
+BUCKETS = (1, 8, 16, 64, 128, 256, 512)
 
 
 class _StepLayer:
@@ -142,6 +143,9 @@ class StepGraphs:
         self.capture = backend.cuda
         self._graphs: dict[int, list[_Graph]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # every warm-up and capture on one stream: cuBLAS keeps a workspace per stream
+        # (32 MiB on Hopper), which a new stream per capture would add each time
+        self._stream = torch.cuda.Stream(self.backend.device) if self.capture else None
         self.capture_seconds = 0.0  # total time spent capturing (reported apart from speed)
         self.captures = 0
 
@@ -288,7 +292,7 @@ class StepGraphs:
         """Warm up (triton compiles) on a side stream, then capture one step. Both write only
         the slots this step writes anyway, which the replay then overwrites."""
         start = time.perf_counter()
-        side = torch.cuda.Stream()
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -296,7 +300,7 @@ class StepGraphs:
         torch.cuda.current_stream().wait_stream(side)
         self.backend._rope_memo = (None, {})  # tables must be computed inside the graph
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
             b.logits = _step(model, *b.inputs)
         self.backend._rope_memo = (None, {})
         b.graph = graph
