@@ -189,8 +189,9 @@ def test_store_kv():
 
 @pytest.mark.parametrize("n", [1, 12])  # the mat-vec; dequantize + GEMM
 def test_matmuls_stack_neighbours_of_one_type(n):
-    """Q (Q4_K), K (Q4_K), V (Q6_K) with biases: Q and K run as one stacked matrix whose
-    rows Q's and K's planes then view (no second copy), V alone; the results are those of
+    """Q (Q4_K), K (Q4_K), V (Q6_K) with biases: Q and K become one stacked matrix whose
+    rows Q's and K's planes then view (no second copy), V stays alone; the mat-vec runs the
+    stack in one launch, a prompt's GEMMs member by member; the results are those of
     separate matmuls."""
     from edgellm.backends.torch.backend import TorchBackend
 
@@ -207,8 +208,8 @@ def test_matmuls_stack_neighbours_of_one_type(n):
         bs = [be.asarray(b) for b in biases]
         if stacked:
             got = be.matmuls(be.asarray(x), ws, bs)
-            (qk, _, sizes), (v, _, single) = next(iter(be._stacks.values()))[1]
-            assert sizes == [48, 16] and v is ws[2] and single is None
+            (qk, _, members), (v, _, single) = next(iter(be._stacks.values()))[1]
+            assert [m for m, _ in members] == ws[:2] and v is ws[2] and single is None
             base, end = qk.planes.q.data_ptr(), qk.planes.q.data_ptr() + qk.planes.q.nbytes
             assert all(base <= w.planes.q.data_ptr() < end for w in ws[:2])
         else:

@@ -297,18 +297,26 @@ class TorchBackend(Backend):
 
     def matmuls(self, x, weights: tuple, biases: tuple | None = None) -> list:
         """Several projections of one input, its activations rounded once per block size;
-        on the GPU path neighbours of one block type run as one matmul (``_stacked``)."""
+        on the GPU path's mat-vec neighbours of one block type run as one (``_stacked``).
+        A prompt's GEMMs take them one by one: one member's f16 tile alive at a time (the
+        peak memory), and inside a graph a launch costs little."""
         x = self.asarray(x).contiguous()
         biases = biases or (None,) * len(weights)
         done: dict = {}
         outs = []
-        for w, b, sizes in self._stacked(tuple(weights), tuple(biases)):
-            out = self._multiply(self._activations(x, w, done), w, b)
-            outs += [out] if sizes is None else list(torch.split(out, sizes, dim=1))
+        for w, b, members in self._stacked(tuple(weights), tuple(biases)):
+            xa = self._activations(x, w, done)
+            if members is None:
+                outs.append(self._multiply(xa, w, b))
+            elif isinstance(xa, tuple):  # the int8 mat-vec: the stack in one launch
+                out = self._multiply(xa, w, b)
+                outs += list(torch.split(out, [m.rows for m, _ in members], dim=1))
+            else:
+                outs += [self._multiply(xa, m, mb) for m, mb in members]
         return outs
 
     def _stacked(self, weights: tuple, biases: tuple) -> list:
-        """(weight, bias, row sizes or None) per matmul that ``matmuls`` runs: neighbouring
+        """(weight, bias, members or None) per matmul that ``matmuls`` runs: neighbouring
         packed matrices of one block type and width stacked into one (Q4_K Q and K, gate and
         up: a launch less each, and a fuller GPU), once, at their first call; the members'
         planes become views of the stack's rows (no second copy). Stacking is skipped while
@@ -342,7 +350,7 @@ class TorchBackend(Backend):
         if any(b is not None for b in biases):
             bias = torch.cat([b if b is not None else torch.zeros(w.rows, device=self.device)
                               for w, b in zip(weights, biases, strict=True)])
-        return stacked, bias, [w.rows for w in weights]
+        return stacked, bias, tuple(zip(weights, biases, strict=True))
 
     def _multiply(self, xa, w: TorchWeight, bias) -> torch.Tensor:
         """xa (as ``_activations`` prepared it) @ w.T (+ bias)."""
