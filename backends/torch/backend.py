@@ -448,7 +448,7 @@ class TorchBackend(Backend):
         if not isinstance(mask, torch.Tensor):
             mask = torch.from_numpy(np.ascontiguousarray(mask, dtype=bool)).to(self.device)
         if (self.kernels is not None and n <= self.kernels.ATTENTION_MAX_QUERIES
-                and hd & (hd - 1) == 0):  # decode, speculative checks: two launches
+                and hd & (hd - 1) == 0):  # decode, speculative checks: one launch
             return self.kernels.attention(q.contiguous(), k.contiguous(), v.contiguous(),
                                           mask.contiguous(), scale, softcap)
         kh = k.float().transpose(0, 1)[None]  # (1, KVH, T, hd)
