@@ -30,7 +30,10 @@ SHAPES = [(Q.Q4_K, 1536, 1536), (Q.Q4_K, 256, 1536), (Q.Q6_K, 256, 1536),
           (Q.Q6_K, 1536, 8960), (Q.Q4_K, 1536, 8960), (Q.Q6_K, 151936, 1536),
           (Q.Q5_0, 896, 896), (Q.Q8_0, 896, 4864), (Q.Q5_0, 1024, 896), (Q.Q8_0, 4864, 896),
           (Q.Q5_0, 2048, 640), (Q.Q8_0, 640, 2048), (Q.Q6_K, 262144, 640)]
-GRID = [*itertools.product((4, 8, 16, 32), (4, 8), (4, 8)), (8, 2, 4), (16, 2, 4), (2, 8, 4)]
+# (rows, chunks a step, warps): 16 and 32 chunks take a 1536-wide row in one or two steps
+# (fewer dependent loads: small matrices are latency-bound), not yet swept on a GPU
+GRID = [*itertools.product((4, 8, 16, 32), (4, 8), (4, 8)), (8, 2, 4), (16, 2, 4), (2, 8, 4),
+        *itertools.product((2, 4), (16, 32), (4, 8))]
 SWEPT = 11  # --tiles sweeps the first SWEPT shapes (the 1.5B's and two of the 0.5B's)
 SPLIT_TARGETS = (0, 8, 16, 32)  # kernels.PROGRAMS_PER_SM values (0: never split)
 COLD_BYTES = 256 << 20
