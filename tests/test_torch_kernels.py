@@ -195,7 +195,6 @@ def test_matmuls_stack_neighbours_of_one_type(n):
     separate matmuls."""
     from edgellm.backends.torch.backend import TorchBackend
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     tensors = [random_tensor(q, rows, 512, seed=rows) for q, rows in
                ((Q.Q4_K, 48), (Q.Q4_K, 16), (Q.Q6_K, 16))]
     rng = np.random.default_rng(n)
@@ -203,7 +202,7 @@ def test_matmuls_stack_neighbours_of_one_type(n):
     x = rng.standard_normal((n, 512)).astype(np.float32)
     outs = []
     for stacked in (False, True):
-        be = TorchBackend(device=device, triton=not torch.cuda.is_available())
+        be = TorchBackend(device=DEVICE, triton=not torch.cuda.is_available())
         ws = [be.prepare(t_) for t_ in tensors]
         bs = [be.asarray(b) for b in biases]
         if stacked:
@@ -243,13 +242,12 @@ def test_matmul_after_a_norm_uses_its_blocks(monkeypatch):
     results equal the two-launch path's exactly; a later, different input quantizes again."""
     from edgellm.backends.torch.backend import TorchBackend
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     tensor = random_tensor(Q.Q4_K, 24, 512, seed=2)
     rng = np.random.default_rng(2)
     x, w = (rng.standard_normal(s).astype(np.float32) for s in ((1, 512), 512))
     outs = []
     for fused in (False, True):
-        be = TorchBackend(device=device, triton=not torch.cuda.is_available())
+        be = TorchBackend(device=DEVICE, triton=not torch.cuda.is_available())
         be.fuse_quantize = fused
         weight = be.prepare(tensor)
         normed = be.rms_norm(be.asarray(x), be.asarray(w), 1e-6)

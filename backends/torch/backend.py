@@ -317,8 +317,8 @@ class TorchBackend(Backend):
 
     def _stacked(self, weights: tuple, biases: tuple) -> list:
         """(weight, bias, members or None) per matmul that ``matmuls`` runs: neighbouring
-        packed matrices of one block type and width stacked into one (Q4_K Q and K, gate and
-        up: a launch less each, and a fuller GPU), once, at their first call; the members'
+        packed matrices of one block type and width stacked into one (Q and K, gate and up: a
+        launch less each, and a fuller GPU), once, at their first call; the members'
         planes become views of the stack's rows (no second copy). Stacking is skipped while
         a CUDA graph is being captured (it allocates), and on the CPU's dense path."""
         key = tuple(id(w) for w in weights)

@@ -223,22 +223,22 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
 
 @triton.jit
 def _block_q8(x, j, BLOCK: tl.constexpr, K_QUANT: tl.constexpr):
-    """One block of activations x (BLOCK,) as llama.cpp's CPU rounds it: (q as f32 integers,
-    d). Q8_K (per 256): iscale = -127/peak (the first largest |x|, signed),
-    q = min(127, rint(x * iscale)), d = 1/iscale; x86 Q8_0 (per 32): q = rint(x * 127/amax),
-    d = f16(amax/127)."""
+    """Blocks of activations x (R, BLOCK), a block a row, as llama.cpp's CPU rounds them:
+    (q (R, BLOCK) as f32 integers, d (R,)); j is arange(BLOCK) as (1, BLOCK). Q8_K (per
+    256): iscale = -127/peak (the first largest |x|, signed), q = min(127, rint(x * iscale)),
+    d = 1/iscale; x86 Q8_0 (per 32): q = rint(x * 127/amax), d = f16(amax/127)."""
     ax = tl.abs(x)
-    amax = tl.max(ax, axis=0)
+    amax = tl.max(ax, axis=1)  # (R,)
     if K_QUANT:
-        first = tl.min(tl.where(ax == amax, j, BLOCK), axis=0)  # first index of the peak
-        peak = tl.sum(tl.where(j == first, x, 0.0), axis=0)
+        first = tl.min(tl.where(ax == amax[:, None], j, BLOCK), axis=1)  # the peak's index
+        peak = tl.sum(tl.where(j == first[:, None], x, 0.0), axis=1)
         safe = tl.where(peak == 0.0, 1.0, peak)
         iscale = tl.math.div_rn(-127.0, safe)
-        q = tl.minimum(((x * iscale) + _MAGIC) - _MAGIC, 127.0)
+        q = tl.minimum(((x * iscale[:, None]) + _MAGIC) - _MAGIC, 127.0)
         d = tl.where(peak == 0.0, 0.0, tl.math.div_rn(1.0, iscale))
     else:
         safe = tl.where(amax == 0.0, 1.0, amax)
-        q = ((x * tl.math.div_rn(127.0, safe)) + _MAGIC) - _MAGIC
+        q = ((x * tl.math.div_rn(127.0, safe)[:, None]) + _MAGIC) - _MAGIC
         d = tl.where(amax == 0.0, 0.0, tl.math.div_rn(safe, 127.0))
         d = d.to(tl.float16).to(tl.float32)
     return q, d
@@ -251,13 +251,13 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, K, KP, BLOCK: tl.constexpr, K_QUANT: t
     for integer dot products. Blocks past K (the weights' padding to 64) are zeros."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    j = tl.arange(0, BLOCK)
+    j = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK): one block
     ok = blk * BLOCK + j < K
     x = tl.load(x_ptr + row * K + blk * BLOCK + j, mask=ok, other=0.0)
     q, d = _block_q8(x, j, BLOCK, K_QUANT)
     tl.store(q_ptr + row * KP + blk * BLOCK + j, q.to(tl.int8), mask=blk * BLOCK + j < KP)
     g = blk * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
-    tl.store(d_ptr + row * (KP // 32) + g, tl.zeros_like(g.to(tl.float32)) + d,
+    tl.store(d_ptr + row * (KP // 32) + g, tl.zeros_like(g.to(tl.float32)) + tl.sum(d, axis=0),
              mask=g < KP // 32)
 
 
@@ -284,19 +284,15 @@ def _then_q8_kernel(a_ptr, b_ptr, out_ptr, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
         y = _glu_act(a, OP == 2) * u
     tl.store(out_ptr + row * K + j, y, mask=ok)
     inside = j < KP
-    y2 = tl.reshape(y, (8, 32))  # Q8_0 per 32, as _block_q8 rounds it
-    amax = tl.max(tl.abs(y2), axis=1)  # (8,)
-    safe = tl.where(amax == 0.0, 1.0, amax)
-    q2 = ((y2 * tl.math.div_rn(127.0, safe)[:, None]) + _MAGIC) - _MAGIC
-    d2 = tl.where(amax == 0.0, 0.0, tl.math.div_rn(safe, 127.0)).to(tl.float16).to(tl.float32)
-    tl.store(q32_ptr + row * KP + j, tl.reshape(q2, (256,)).to(tl.int8), mask=inside)
+    q32, d32 = _block_q8(tl.reshape(y, (8, 32)), tl.arange(0, 32)[None, :], 32, False)
+    tl.store(q32_ptr + row * KP + j, tl.reshape(q32, (256,)).to(tl.int8), mask=inside)
     g = tl.program_id(1) * 8 + tl.arange(0, 8)
-    tl.store(d32_ptr + row * (KP // 32) + g, d2, mask=g < KP // 32)
+    tl.store(d32_ptr + row * (KP // 32) + g, d32, mask=g < KP // 32)
     if K256:  # Q8_K per 256
-        q, d = _block_q8(y, tl.arange(0, 256), 256, True)
-        tl.store(q256_ptr + row * KP + j, q.to(tl.int8), mask=inside)
-        tl.store(d256_ptr + row * (KP // 32) + g, tl.zeros_like(g.to(tl.float32)) + d,
-                 mask=g < KP // 32)
+        q, d = _block_q8(tl.reshape(y, (1, 256)), tl.arange(0, 256)[None, :], 256, True)
+        tl.store(q256_ptr + row * KP + j, tl.reshape(q, (256,)).to(tl.int8), mask=inside)
+        tl.store(d256_ptr + row * (KP // 32) + g,
+                 tl.zeros_like(g.to(tl.float32)) + tl.sum(d, axis=0), mask=g < KP // 32)
 
 
 @triton.jit
@@ -328,10 +324,10 @@ def _round_kernel(x_ptr, out_ptr, K, BLOCK: tl.constexpr, K_QUANT: tl.constexpr)
     """One block of one row rounded (``_block_q8``): q * d in f32, stored in out's dtype."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    j = tl.arange(0, BLOCK)
+    j = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK): one block
     x = tl.load(x_ptr + row * K + blk * BLOCK + j)
     q, d = _block_q8(x, j, BLOCK, K_QUANT)
-    tl.store(out_ptr + row * K + blk * BLOCK + j, (q * d).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row * K + blk * BLOCK + j, (q * d[:, None]).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -512,7 +508,7 @@ def matvec_tile(rows: int, n_chunks: int) -> tuple[int, int, int]:
 
 
 _sm_counts: dict = {}
-_split_counters: dict = {}  # device -> int32 counters of the split-K mat-vec (self-resetting)
+_split_counters: dict = {}  # device -> int32 counters (split-K mat-vec, attention; self-resetting)
 
 
 def _counters(device, n: int):
@@ -573,9 +569,8 @@ def qmatvec(xq, xd, p: Planes, bias=None):
     nq, ng, nsup, n_chunks = _geometry(p)
     bn, ch, warps = MATVEC_TILES.get(p.kind) or matvec_tile(p.rows, n_chunks)
     programs = triton.cdiv(p.rows, bn)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(xq.device), programs)
-    if n_chunks < SPLIT_MIN_CHUNKS:
-        wanted = 1
+    wanted = (1 if n_chunks < SPLIT_MIN_CHUNKS
+              else triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(xq.device), programs))
     splits = max(1, min(triton.cdiv(n_chunks, ch), wanted))
     cps = triton.cdiv(triton.cdiv(n_chunks, splits), ch) * ch  # chunks per split
     splits = triton.cdiv(n_chunks, cps)
@@ -641,7 +636,7 @@ def then_quantize(op: str, a, b, eps: float = 0.0):
     import torch
 
     n, K = a.shape
-    padded = -(-K // 64) * 64
+    padded = triton.cdiv(K, CHUNK) * CHUNK  # as the weights' rows are padded
     out = torch.empty_like(a)
     blocks = {}
     for block in (32, 256) if K % 256 == 0 else (32,):
