@@ -118,6 +118,25 @@ class Backend(ABC):
             row += n
         return out
 
+    def attention_append(self, q: Array, k: Array, v: Array,
+                         stores: Sequence[tuple[Array, Array]], slots: Sequence[int],
+                         firsts: Sequence[int], scale: float, softcap: float = 0.0) -> Array:
+        """A decode step's attention with each sequence's new key and value stored first.
+
+        Row j of q (N, H, hd) and of k, v (N, KVH, hd) is sequence j's one new token: k[j]
+        and v[j] go to slot ``slots[j]`` of its storage ``stores[j]`` (keys, values: (S_j,
+        KVH, hd)), and q[j] attends to slots ``firsts[j]..slots[j]``. -> (N, H, hd), what
+        writing the rows and ``attention_batch`` give (backends override this to do the
+        whole layer in one call)."""
+        parts = []
+        for j, ((keys, values), slot, first) in enumerate(zip(stores, slots, firsts,
+                                                              strict=True)):
+            keys[slot], values[slot] = k[j], v[j]
+            mask = np.zeros((1, slot + 1), dtype=bool)  # (1, T): keys first..slot
+            mask[0, first:] = True
+            parts.append((keys[:slot + 1], values[:slot + 1], mask))
+        return self.attention_batch(q, parts, scale, softcap)
+
     @abstractmethod
     def silu_mul(self, gate: Array, up: Array) -> Array:
         """silu(gate) * up (SwiGLU)."""

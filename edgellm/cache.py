@@ -365,8 +365,8 @@ class LayerCache:
         """
         n = k.shape[0]
         start = self.offset
-        if n == 1 and start < self.plan.slots and not self.plan.keep and self.store.in_place:
-            return self._append_one(k, v, start)
+        if n == 1 and self.takes_one():
+            return self._append_one(k, v)
         new_pos = np.arange(start, start + n)
         if not self.plan.is_ring and start + n > self.plan.slots:
             raise ContextOverflow(f"context full: {start} + {n} tokens exceed the layer's "
@@ -390,20 +390,32 @@ class LayerCache:
             keys, values, mask = self._with_sinks_per_query(keys, values, mask, key_pos, new_pos)
         return keys, values, mask
 
-    def _append_one(self, k: Any, v: Any, start: int) -> tuple[Any, Any, np.ndarray]:
-        """update_and_fetch for decode's one token before the layout wraps (no sinks): it goes
-        to slot ``start``, slots [0, start] hold positions 0..start, and the mask only cuts
-        what the window (or a rotating budget) hides. The general path's index arrays and
-        (n, T) comparisons cost ~10 us a layer, a batched step's largest Python cost."""
-        p = self.plan
+    def takes_one(self) -> bool:
+        """Does decode's next token take the one-token path (``claim_one``)? Before the
+        layout wraps, with no sinks, into storage that attention reads in place."""
+        return self.offset < self.plan.slots and not self.plan.keep and self.store.in_place
+
+    def claim_one(self) -> tuple[int, int]:
+        """Book the next token into its slot (only where ``takes_one``): returns the slot and
+        the first slot its query sees. Slots [0, slot] hold positions 0..slot, and only the
+        window (or a rotating budget) hides some of them. The caller stores the token's key
+        and value in that slot (``_append_one``, or ``Backend.attention_append`` for a whole
+        batch in one call): the general path's index arrays and (n, T) comparisons cost
+        ~10 us a layer, a batched step's largest Python cost."""
+        p, slot = self.plan, self.offset
+        self.slot_pos[slot] = slot
+        self.offset = slot + 1
+        hidden = max([0] + [slot + 1 - limit for limit in (p.window, p.span) if limit])
+        return slot, hidden
+
+    def _append_one(self, k: Any, v: Any) -> tuple[Any, Any, np.ndarray]:
+        """update_and_fetch for one token where ``takes_one``."""
+        slot, hidden = self.claim_one()
         keys, values = self.store.read()
-        keys[start], values[start] = k[0], v[0]
-        self.slot_pos[start] = start
-        self.offset = used = start + 1
-        hidden = max([0] + [start + 1 - limit for limit in (p.window, p.span) if limit])
-        mask = np.ones((1, used), dtype=bool)  # (1, T): query at start, keys 0..start
+        keys[slot], values[slot] = k[0], v[0]
+        mask = np.ones((1, slot + 1), dtype=bool)  # (1, T): query at slot, keys 0..slot
         mask[0, :hidden] = False
-        return keys[:used], values[:used], mask
+        return keys[:slot + 1], values[:slot + 1], mask
 
     def _needs_sinks_per_query(self, start: int, n: int) -> bool:
         """Do the queries of this update see the sinks at different distances (wrapped)?"""

@@ -66,3 +66,47 @@ int ek_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, const
     return ek_attention_f16_batch(1, q, &k, &v, &mask, &n, &T, n_heads, n_kv, hd, scale,
                                   softcap, out, nthreads);
 }
+
+/* A decode step's attention with its own keys written first: sequence s has one query row
+ * (n_heads, hd) of q; its new key and value rows k_new[s], v_new[s] (n_kv, hd) f32 are stored
+ * as f16 in slot[s] of its cache kc[s], vc[s] (slots, n_kv, hd), and the row attends to
+ * slots lo[s]..slot[s] (keys past a window hidden below lo). The same bits as storing the rows
+ * and calling ek_attention_f16_batch with masks of ones over [lo, slot]; one call a layer
+ * instead of a cache update and its mask per sequence. Returns as ek_attention_f16_batch. */
+int ek_attention_f16_append(int count, const float *q, const float *k_new, const float *v_new,
+                            uint16_t *const *kc, uint16_t *const *vc, const int *slot,
+                            const int *lo, int n_heads, int n_kv, int hd, float scale,
+                            float softcap, float *out, int nthreads) {
+    if (hd % 8 || n_kv < 1 || n_heads % n_kv || count < 1) return -2;  /* nothing written */
+    const int64_t row = (int64_t)n_kv * hd;
+    int64_t total = 0;
+    for (int s = 0; s < count; s++) {
+        if (slot[s] < 0 || lo[s] < 0 || lo[s] > slot[s]) return -2;
+        total += slot[s] + 1;
+    }
+    uint8_t *bits = malloc((size_t)total);
+    const uint8_t **mask = malloc(sizeof(uint8_t *) * (size_t)count);
+    int *n = malloc(sizeof(int) * (size_t)count), *T = malloc(sizeof(int) * (size_t)count);
+    int status = -1;
+    if (bits && mask && n && T) {
+        uint8_t *m = bits;
+        for (int s = 0; s < count; s++) {
+            f16_store_row(kc[s] + (int64_t)slot[s] * row, k_new + s * row, row);
+            f16_store_row(vc[s] + (int64_t)slot[s] * row, v_new + s * row, row);
+            T[s] = slot[s] + 1;
+            n[s] = 1;
+            memset(m, 0, (size_t)lo[s]);
+            memset(m + lo[s], 1, (size_t)(T[s] - lo[s]));
+            mask[s] = m;
+            m += T[s];
+        }
+        status = ek_attention_f16_batch(count, q, (const uint16_t *const *)kc,
+                                        (const uint16_t *const *)vc, mask, n, T, n_heads, n_kv,
+                                        hd, scale, softcap, out, nthreads);
+    }
+    free(bits);
+    free(mask);
+    free(n);
+    free(T);
+    return status;
+}

@@ -927,6 +927,14 @@ void ek_gelu_tanh_mul(const float *gate, const float *up, float *out, int64_t n,
     elementwise_mt(gelu_tanh_mul, gate, up, out, n, nthreads);
 }
 
+/* src (n,) f32 stored as f16 bits at dst, rounded to nearest, ties to even (numpy's
+ * astype(float16) rounding); n % 8 == 0 */
+static void f16_store_row(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
 /* 16 f16 values at p as f32 */
 static inline __m256 load_f16x8(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));

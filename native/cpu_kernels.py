@@ -60,6 +60,10 @@ int ek_attention_f16_batch(int count, const float *q, const uint16_t *const *k,
                            const uint16_t *const *v, const uint8_t *const *mask, const int *n,
                            const int *T, int n_heads, int n_kv, int hd, float scale,
                            float softcap, float *out, int nthreads);
+int ek_attention_f16_append(int count, const float *q, const float *k_new, const float *v_new,
+                            uint16_t *const *kc, uint16_t *const *vc, const int *slot,
+                            const int *lo, int n_heads, int n_kv, int hd, float scale,
+                            float softcap, float *out, int nthreads);
 """
 
 #: instruction-set variant -> (cpuinfo flags it needs, compiler flags)

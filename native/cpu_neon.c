@@ -44,6 +44,14 @@ static inline float f16(const uint8_t *p) {
     return (float)h;
 }
 
+/* src (n,) f32 stored as f16 bits at dst, rounded to nearest, ties to even */
+static void f16_store_row(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const __fp16 h = (__fp16)src[i];
+        memcpy(dst + i, &h, 2);
+    }
+}
+
 /* f32 rounded to the nearest f16 (ties to even, as F16C's vcvtps2ph) and back */
 static inline float f16_round(float v) { return (float)(__fp16)v; }
 

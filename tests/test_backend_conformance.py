@@ -208,6 +208,35 @@ def test_attention_batch_is_each_sequence_alone(backend):
         row += n
 
 
+def test_attention_append_is_write_then_attention_batch(backend):
+    """A decode step's rows stored and attended in one call: the stored rows are the new
+    keys and values as the storage's dtype rounds them (f16: ties to even, subnormals),
+    untouched slots stay as they were, and the output is what ``attention_batch`` gives over
+    the stored keys with each row's window of slots, bit for bit."""
+    rng = np.random.default_rng(9)
+    heads, kv_heads, hd, slots = 8, 2, 64, 48
+    spans = [(0, 0), (36, 36), (5, 20), (0, 47)]  # (first visible slot, new slot) per sequence
+    q = rng.standard_normal((len(spans), heads, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((len(spans), kv_heads, hd)).astype(np.float32) for _ in "kv")
+    k[0, 0, :4] = [65519.0, 1e-6, 2049.0, -3e-8]  # f16: 65504, subnormal, a tie, -0
+    stored = [tuple(rng.standard_normal((slots, kv_heads, hd)).astype(np.float16) for _ in "kv")
+              for _ in spans]
+    dev = [(backend.asarray(a.copy()), backend.asarray(b.copy())) for a, b in stored]
+    got = backend.to_numpy(backend.attention_append(
+        backend.asarray(q), backend.asarray(k), backend.asarray(v), dev,
+        [s for _, s in spans], [f for f, _ in spans], hd ** -0.5))
+    parts = []
+    for j, ((first, slot), (keys, values)) in enumerate(zip(spans, stored, strict=True)):
+        keys[slot], values[slot] = k[j], v[j]  # numpy's f32 -> f16 assignment
+        for name, want, have in (("keys", keys, dev[j][0]), ("values", values, dev[j][1])):
+            np.testing.assert_array_equal(backend.to_numpy(have), want, err_msg=name)
+        mask = (np.arange(slot + 1) >= first)[None, :]  # (1, T)
+        parts.append((backend.asarray(keys[:slot + 1]), backend.asarray(values[:slot + 1]),
+                      mask))
+    want = backend.to_numpy(backend.attention_batch(backend.asarray(q), parts, hd ** -0.5))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_activations_and_softcap(backend):
     rng = np.random.default_rng(0)
     g, u = (rng.standard_normal((3, 100)).astype(np.float32) * 3 for _ in range(2))

@@ -554,6 +554,30 @@ class CpuBackend(NumpyBackend):
             out = self._attention_f16_parts(q, parts, scale, softcap)
         return super().attention_batch(q, parts, scale, softcap) if out is None else out
 
+    def attention_append(self, q, k, v, stores, slots, firsts, scale, softcap=0.0):
+        """The whole layer in one C call (rows stored as f16, masks built in C): the same
+        bits as the base class's writes and ``attention_batch``."""
+        if not self._c_attention_takes(q, [a for pair in stores for a in pair]):
+            return super().attention_append(q, k, v, stores, slots, firsts, scale, softcap)
+        q = np.ascontiguousarray(q, dtype=np.float32)  # (N, H, hd)
+        k = np.ascontiguousarray(k, dtype=np.float32)  # (N, KVH, hd)
+        v = np.ascontiguousarray(v, dtype=np.float32)
+        out = np.empty_like(q)
+        f = self.native.ffi.from_buffer
+        n_kv = k.shape[1]
+        macs = sum(slot + 1 for slot in slots) * q[0].size
+        status = self.native.lib.ek_attention_f16_append(
+            len(stores), f("float[]", q), f("float[]", k), f("float[]", v),
+            [f("uint16_t[]", keys) for keys, _ in stores],
+            [f("uint16_t[]", values) for _, values in stores], slots, firsts, q.shape[1],
+            n_kv, q.shape[2], float(scale), float(softcap), f("float[]", out),
+            self.threads if macs >= ATTENTION_THREADS_MIN_MACS else 1)
+        if status == -2:  # a head layout the kernel does not take (nothing written)
+            return super().attention_append(q, k, v, stores, slots, firsts, scale, softcap)
+        if status != 0:
+            raise MemoryError("no memory for attention scores")
+        return out
+
     def _c_attention_takes(self, q, cached) -> bool:
         """The C attention kernel's case: C kernels loaded, an f16 cache (``cached``: the
         key/value arrays), a head size in 8s."""

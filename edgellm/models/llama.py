@@ -249,11 +249,27 @@ class Model:
         B, a = self.backend, self.args
         n = x.shape[0]
         q, k, v = self.project_qkv(i, w, x, positions)  # (N, H, hd), (N, KVH, hd) x2
-        rows = [slice(int(bounds[j]), int(bounds[j + 1])) for j in range(len(layers))]
-        parts = [layer_cache.update_and_fetch(k[r], v[r])  # (keys, values, mask) each
-                 for r, layer_cache in zip(rows, layers, strict=True)]
-        out = B.attention_batch(q, parts, self.attention_scale(), a.attn_logit_softcap)
+        if n == len(layers):  # a decode step: one token a sequence
+            out = self.attend_appending(q, k, v, layers)
+        else:
+            out = None
+        if out is None:
+            rows = [slice(int(bounds[j]), int(bounds[j + 1])) for j in range(len(layers))]
+            parts = [layer_cache.update_and_fetch(k[r], v[r])  # (keys, values, mask) each
+                     for r, layer_cache in zip(rows, layers, strict=True)]
+            out = B.attention_batch(q, parts, self.attention_scale(), a.attn_logit_softcap)
         return B.matmul(out.reshape(n, a.n_heads * a.head_dim), w.wo)  # (N, H, hd) -> (N, d)
+
+    def attend_appending(self, q, k, v, layers: list[LayerCache]):
+        """Decode rows (one a sequence: q (N, H, hd), k, v (N, KVH, hd)) stored and attended
+        in one backend call, where every layer cache takes a token in place; else None (and
+        no cache touched)."""
+        if not all(layer.takes_one() for layer in layers):
+            return None
+        claims = [layer.claim_one() for layer in layers]  # (slot, first visible slot) each
+        return self.backend.attention_append(
+            q, k, v, [layer.store.read() for layer in layers], [c[0] for c in claims],
+            [c[1] for c in claims], self.attention_scale(), self.args.attn_logit_softcap)
 
     def block_forward(self, i: int, block: Block, x, positions: np.ndarray,
                       layer_cache: LayerCache):
@@ -279,8 +295,11 @@ class Model:
         B, a = self.backend, self.args
         n = x.shape[0]
         q, k, v = self.project_qkv(i, w, x, positions)
-        keys, values, mask = layer_cache.update_and_fetch(k, v)
-        out = B.attention(q, keys, values, mask, self.attention_scale(), a.attn_logit_softcap)
+        out = self.attend_appending(q, k, v, [layer_cache]) if n == 1 else None
+        if out is None:
+            keys, values, mask = layer_cache.update_and_fetch(k, v)
+            out = B.attention(q, keys, values, mask, self.attention_scale(),
+                              a.attn_logit_softcap)
         return B.matmul(out.reshape(n, a.n_heads * a.head_dim), w.wo)
 
     def project_qkv(self, i: int, w: AttentionWeights, x, positions: np.ndarray):
