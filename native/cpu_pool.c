@@ -4,6 +4,7 @@
  * groups, and a chunk is also the unit the packed layouts and the GEMM tiles are built on.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
@@ -107,7 +108,10 @@ static void *helper_main(void *arg) {
         for (int i = 1; gen == seen; i++) {
             cpu_relax();
             gen = atomic_load(&g_ctr) >> 40;
-            if (i % 64 == 0 && monotonic_ns() > until) break;
+            if (i % 64 == 0) {
+                if (monotonic_ns() > until) break;
+                sched_yield();
+            }
         }
         if (gen == seen) {
             pthread_mutex_lock(&g_mu);
