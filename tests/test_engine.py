@@ -5,6 +5,7 @@ limits and errors."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -94,6 +95,26 @@ def test_seeded_sampling_repeats_whatever_the_batch(qwen):
     assert solo.tokens == batched.tokens
     assert solo.tokens == alone(qwen, ids, params)  # the same sampler as stream_generate
     assert other_seed.tokens != solo.tokens
+
+
+def test_a_burst_of_requests_prefills_in_one_step(qwen, monkeypatch):
+    """Requests that reach an idle engine together start in the same step: their prompts
+    prefill in one pass and they decode in step (no stream a step or two ahead)."""
+    import edgellm.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "COALESCE_MAX_S", 5.0)  # a slow CI box stays in time
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with Engine(qwen, ctx=256, max_seqs=4, coalesce_s=0.5) as engine:
+        handles = []
+        for t in TEXTS[:4]:  # arriving 50 ms apart, as a server parses them one by one
+            handles.append(engine.submit(Request(qwen.encode(t), params)))
+            time.sleep(0.05)
+        done = [h.result(timeout=120) for h in handles]
+        steps = engine.stats().steps
+    assert all(c.usage.completion_tokens == 4 for c in done)
+    assert steps == 4  # one prefill step that samples every first token, three decode steps
+    with pytest.raises(ValueError, match="coalesce_s"):
+        Engine(qwen, ctx=64, max_seqs=1, coalesce_s=-1, start=False)
 
 
 def test_prefix_reuse_prefills_only_the_new_part(qwen):
