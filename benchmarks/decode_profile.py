@@ -20,7 +20,7 @@ import numpy as np
 
 import edgellm
 
-OPS = ("matmul", "matmuls", "attention", "rms_norm", "rope", "embed", "silu_mul",
+OPS = ("matmul", "matmuls", "attention", "attention_append", "rms_norm", "rope", "embed", "silu_mul",
        "gelu_tanh_mul", "softcap")
 
 

@@ -10,7 +10,8 @@ Each level starts C streaming ``/v1/completions`` requests at once (distinct pro
 the same length, temperature 0, ``ignore_eos``, ``max_tokens`` tokens each) and reports:
 aggregate decode tokens/s (every stream's tokens after its first, over the span from the
 earliest first token to the latest last one), its ratio to one stream, time to first token
-and inter-token latency (p50/p95 over all streams). The same requests drive edgellm's server
+and inter-token latency (p50/p95 over all streams); ``--rounds R`` interleaves R runs of the
+levels and reports medians. The same requests drive edgellm's server
 and llama.cpp's ``llama-server`` (which takes ``ignore_eos`` too). ``--spawn`` starts the
 server first (waiting for /health) and stops it at the end.
 """
@@ -96,14 +97,25 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 300) ->
 
 
 def table(label: str, rows: list[dict]) -> str:
-    base = rows[0]["decode_tps"] if rows and rows[0]["streams"] == 1 else None
+    """One row per level; with several rounds, each level's median (the runs in brackets)."""
+    levels: dict[int, list[dict]] = {}
+    for r in rows:
+        levels.setdefault(r["streams"], []).append(r)
+
+    def median(runs: list[dict], key: str) -> float:
+        return percentile([r[key] for r in runs], 50)
+
+    base = median(levels[1], "decode_tps") if 1 in levels else None
     out = [f"### {label}", "", "| streams | decode tok/s (aggregate) | x one stream | TTFT p50 ms "
            "| TTFT p95 ms | ITL p50 ms | ITL p95 ms |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ratio = f"{r['decode_tps'] / base:.2f}" if base else ""
-        out.append(f"| {r['streams']} | {r['decode_tps']:.1f} | {ratio} | "
-                   f"{r['ttft_p50'] * 1e3:.0f} | {r['ttft_p95'] * 1e3:.0f} | "
-                   f"{r['itl_p50'] * 1e3:.0f} | {r['itl_p95'] * 1e3:.0f} |")
+    for streams, runs in levels.items():
+        tps = median(runs, "decode_tps")
+        each = (" (" + " / ".join(f"{r['decode_tps']:.1f}" for r in runs) + ")"
+                if len(runs) > 1 else "")
+        ratio = f"{tps / base:.2f}" if base else ""
+        out.append(f"| {streams} | {tps:.1f}{each} | {ratio} | "
+                   f"{median(runs, 'ttft_p50') * 1e3:.0f} | {median(runs, 'ttft_p95') * 1e3:.0f} | "
+                   f"{median(runs, 'itl_p50') * 1e3:.0f} | {median(runs, 'itl_p95') * 1e3:.0f} |")
     return "\n".join(out)
 
 
@@ -113,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct",
                    help="the model id the server expects (llama-server takes any)")
     p.add_argument("--streams", default="1,2,4,8", help="concurrency levels")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the levels this many times, interleaved, and report each "
+                        "level's median (a VM's speed drifts over minutes: a level measured "
+                        "once, minutes after one stream, moves its ratio with the drift)")
     p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per stream")
     p.add_argument("--api-key", default=None)
     p.add_argument("--label", default=None, help="table title (default: the URL)")
@@ -131,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.warmup:
             asyncio.run(level(args.url, args.model, 1, args.warmup, headers))
         rows = []
-        for c in (int(x) for x in args.streams.split(",")):
+        levels = [int(x) for x in args.streams.split(",")]
+        for c in levels * args.rounds:
             rows.append(asyncio.run(level(args.url, args.model, c, args.max_tokens, headers)))
             print(f"streams={c}: {rows[-1]['decode_tps']:.1f} tok/s", file=sys.stderr)
     finally:

@@ -184,6 +184,24 @@ class Jobs:
         body = q.tobytes() + k.view(np.uint16).tobytes() + v.view(np.uint16).tobytes()
         self._add(key, head + body + mask.astype(np.uint8).tobytes(), self._status_floats(q.size))
 
+    def append(self, key, q, k_new, v_new, slots, firsts, kc, vc, scale: float) -> None:
+        count, heads, hd = q.shape
+        head = struct.pack("<iiiiiiif", 10, 2, count, heads, k_new.shape[1], hd, kc.shape[1],
+                           scale)
+        body = (q.tobytes() + k_new.tobytes() + v_new.tobytes()
+                + np.asarray(slots, np.int32).tobytes() + np.asarray(firsts, np.int32).tobytes()
+                + kc.view(np.uint16).tobytes() + vc.view(np.uint16).tobytes())
+
+        def read(buf, at):
+            (status,), at = struct.unpack_from("<i", buf, at), at + 4
+            out = np.frombuffer(buf, np.float32, q.size, at).reshape(q.shape)
+            at += 4 * q.size
+            k = np.frombuffer(buf, np.uint16, kc.size, at).reshape(kc.shape)
+            at += 2 * kc.size
+            v = np.frombuffer(buf, np.uint16, vc.size, at).reshape(vc.shape)
+            return (status, out, k, v), at + 2 * vc.size
+        self._add(key, head + body, read)
+
     def packed(self, key) -> None:
         def read(buf, at):
             return struct.unpack_from("<q4i", buf, at), at + 24
@@ -236,6 +254,22 @@ def _attention_inputs():
 
 
 ATT_Q, ATT_K, ATT_V, ATT_MASK = _attention_inputs()
+
+
+def _append_inputs():
+    """A decode step of three sequences (slots 0, 30 and 47 of 48, the middle one windowed
+    from slot 10), new rows with f16 edge cases: max, a subnormal, a tie, -0."""
+    rng = np.random.default_rng(4)
+    count, heads, kv_heads, hd, slots = 3, 12, 2, 64, 48
+    q = rng.standard_normal((count, heads, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((count, kv_heads, hd)).astype(np.float32) for _ in "kv")
+    k[1, 0, :4] = [65519.0, 1e-6, 2049.0, -3e-8]
+    kc, vc = (rng.standard_normal((count, slots, kv_heads, hd)).astype(np.float16)
+              for _ in "kv")
+    return q, k, v, [0, 30, 47], [0, 10, 0], kc, vc
+
+
+APPEND = _append_inputs()
 ATT_SPLITS = [(0, 1), (7, 11), (3, 20)]
 
 
@@ -269,6 +303,7 @@ def build_jobs() -> Jobs:
     for lo, hi in ATT_SPLITS:
         jobs.attention(("att-part", lo, hi), ATT_Q[lo:hi], ATT_K, ATT_V, ATT_MASK[lo:hi], scale,
                        0.0, 1)
+    jobs.append("append", *APPEND, scale)
     return jobs
 
 
@@ -526,3 +561,23 @@ def test_attention_against_numpy_and_batch_invariant(neon_results):
             assert status == 0
             assert np.array_equal(bits(part.reshape(hi - lo, *ATT_Q.shape[1:])),
                                   bits(whole[lo:hi])), (variant, lo, hi)
+
+
+def test_attention_append_stores_f16_and_attends(neon_results):
+    """A decode step's rows stored as numpy's f16 conversion stores them (bit for bit, the
+    other slots untouched) and each row's attention over its window as the numpy backend's."""
+    q, k, v, slots, firsts, kc, vc = APPEND
+    scale = q.shape[-1] ** -0.5
+    for variant, res in neon_results.items():
+        status, out, got_k, got_v = res["append"]
+        assert status == 0, variant
+        for j, (slot, first) in enumerate(zip(slots, firsts, strict=True)):
+            want_k, want_v = kc[j].copy(), vc[j].copy()
+            want_k[slot], want_v[slot] = k[j], v[j]
+            assert np.array_equal(got_k[j], want_k.view(np.uint16)), (variant, j)
+            assert np.array_equal(got_v[j], want_v.view(np.uint16)), (variant, j)
+            mask = (np.arange(slot + 1) >= first)[None, :]
+            want = REF.attention(q[j:j + 1], want_k[:slot + 1], want_v[:slot + 1], mask, scale,
+                                 0.0)
+            np.testing.assert_allclose(out[j:j + 1], want, rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{variant} row {j}")

@@ -21,6 +21,11 @@
  *   8 attention: int32 n, heads, kv_heads, hd, T; f32 scale, softcap; q (n, heads, hd) f32,
  *             k, v (T, kv_heads, hd) f16 bits, mask (n, T) u8
  *                                                 -> int32 status, out (n, heads, hd) f32
+ *  10 append: int32 count, heads, kv_heads, hd, slots; f32 scale; q (count, heads, hd),
+ *             k_new, v_new (count, kv_heads, hd) f32; slot, lo (count,) int32; caches k, v
+ *             (count, slots, kv_heads, hd) f16 bits
+ *                                                 -> int32 status, out (count, heads, hd) f32,
+ *                                                    the caches k, v after (f16 bits)
  *   9 packed: (nothing)                           -> int64 ek_packed_bytes(Q8_0, 16, 32), int32
  *             status of ek_pack, ek_matmul_packed, ek_packed_rows, ek_matmul_packed_multi
  *   0 end.
@@ -154,6 +159,27 @@ static void job_attention(int nthreads) {
     free(q), free(out), free(k), free(v), free(mask);
 }
 
+static void job_append(int nthreads) {
+    const int count = read_i32(), heads = read_i32(), kv = read_i32(), hd = read_i32();
+    const int slots = read_i32();
+    const float scale = read_f32();
+    const size_t nq = (size_t)count * heads * hd, nn = (size_t)count * kv * hd;
+    const size_t one = (size_t)slots * kv * hd;
+    float *q = read_n(sizeof(float) * nq), *kn = read_n(sizeof(float) * nn);
+    float *vn = read_n(sizeof(float) * nn), *out = calloc(nq, sizeof(float));
+    int32_t *slot = read_n(4 * (size_t)count), *lo = read_n(4 * (size_t)count);
+    uint16_t *k = read_n(2 * one * count), *v = read_n(2 * one * count);
+    uint16_t **kc = malloc(sizeof(uint16_t *) * count), **vc = malloc(sizeof(uint16_t *) * count);
+    for (int s = 0; s < count; s++) kc[s] = k + one * s, vc[s] = v + one * s;
+    write_i32(ek_attention_f16_append(count, q, kn, vn, kc, vc, slot, lo, heads, kv, hd, scale,
+                                      0.0f, out, nthreads));
+    write_n(out, sizeof(float) * nq);
+    write_n(k, 2 * one * count);
+    write_n(v, 2 * one * count);
+    free(q), free(kn), free(vn), free(out), free(slot), free(lo), free(k), free(v), free(kc);
+    free(vc);
+}
+
 static void job_packed(void) {
     uint8_t w[34 * 16] = {0}, dst[64];
     float x[32] = {0}, out[16];
@@ -183,6 +209,7 @@ int main(void) {
         case 7: job_gated(1, nthreads); break;
         case 8: job_attention(nthreads); break;
         case 9: job_packed(); break;
+        case 10: job_append(nthreads); break;
         default: fprintf(stderr, "neon_driver: unknown op %d\n", op); return 2;
         }
     }
