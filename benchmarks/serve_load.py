@@ -64,11 +64,14 @@ async def one_stream(http: httpx.AsyncClient, url: str, model: str, prompt: str,
     return {"start": start, "arrivals": arrivals, "tokens": tokens}
 
 
-async def level(url: str, model: str, streams: int, max_tokens: int, headers: dict) -> dict:
-    """C streams at once; the level's aggregate tokens/s and latencies."""
+async def level(url: str, model: str, streams: int, max_tokens: int, headers: dict,
+                tag: str = "") -> dict:
+    """C streams at once; the level's aggregate tokens/s and latencies. Prompts are
+    "[C.i] ..." (with ``tag`` before the C): a server that reuses cached prefixes finds the
+    same level's prompts again in a later round, as any client's repeated request would."""
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
         runs = await asyncio.gather(*[
-            one_stream(http, url, model, f"[{streams}.{i}] {TEXT}", max_tokens, headers)
+            one_stream(http, url, model, f"[{tag}{streams}.{i}] {TEXT}", max_tokens, headers)
             for i in range(streams)])
     firsts = [r["arrivals"][0] for r in runs if r["arrivals"]]
     lasts = [r["arrivals"][-1] for r in runs if r["arrivals"]]
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_ready(args.url, proc)
         if args.warmup:
-            asyncio.run(level(args.url, args.model, 1, args.warmup, headers))
+            # its own prompt: the first one-stream level must not find its prompt cached
+            asyncio.run(level(args.url, args.model, 1, args.warmup, headers, tag="warm-up "))
         rows = []
         levels = [int(x) for x in args.streams.split(",")]
         for c in levels * args.rounds:
