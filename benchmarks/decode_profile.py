@@ -20,8 +20,8 @@ import numpy as np
 
 import edgellm
 
-OPS = ("matmul", "matmuls", "attention", "attention_append", "rms_norm", "rope", "embed", "silu_mul",
-       "gelu_tanh_mul", "softcap")
+OPS = ("matmul", "matmuls", "attention", "attention_append", "rms_norm", "rope", "embed",
+       "silu_mul", "gelu_tanh_mul", "softcap")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1285,6 +1285,7 @@ typedef struct {
     attn_job_t a;
     int n;        /* tokens */
     int nblocks;  /* token blocks of ATTN_QBLOCK */
+    int hgroups;  /* units a KV head's query heads are split into (1: one unit) */
 } attn_units_t;
 
 /* keys j0.. of KV head kh as kt (hd, 16) and vb (16, hd) in f32; keys past T are zeros */
@@ -1376,65 +1377,3 @@ static void fold_key_block(const attn_job_t *a, const float *q, int ng, const fl
     }
 }
 
-static void attn_unit(const attn_units_t *p, int t0, int kh, float *work) {
-    const attn_job_t *a = &p->a;
-    const int G = a->n_heads / a->n_kv, hd = a->hd, T = a->T;
-    const int nt = p->n - t0 < ATTN_QBLOCK ? p->n - t0 : ATTN_QBLOCK, R = nt * G;
-    float *kt = work, *vb = kt + ATTN_KBLOCK * hd, *acc = vb + ATTN_KBLOCK * hd;
-    float *mx = acc + (int64_t)R * hd, *sum = mx + R;  /* acc (R, hd); mx, sum (R,) */
-    int lo = T, hi = 0;  /* the span of keys any row of the unit attends to */
-    for (int t = 0; t < nt; t++) {
-        const uint8_t *m = a->mask + (int64_t)(t0 + t) * T;
-        int j = 0;
-        while (j < lo && !m[j]) j++;
-        lo = j < lo ? j : lo;
-        j = T;
-        while (j > hi && !m[j - 1]) j--;
-        hi = j > hi ? j : hi;
-    }
-    for (int i = 0; i < R * hd; i++) acc[i] = 0.0f;
-    for (int r = 0; r < R; r++) mx[r] = -INFINITY, sum[r] = 0.0f;
-    for (int j0 = lo - lo % ATTN_KBLOCK; j0 < hi; j0 += ATTN_KBLOCK) {
-        load_key_block(a, kh, j0, kt, vb);
-        for (int t = 0; t < nt; t++) {
-            const uint8_t *m = a->mask + (int64_t)(t0 + t) * T + j0;
-            float bias[ATTN_KBLOCK];
-            int any = 0;
-            for (int jj = 0; jj < ATTN_KBLOCK; jj++) {
-                const int ok = j0 + jj < T && m[jj];
-                bias[jj] = ok ? 0.0f : -INFINITY;
-                any |= ok;
-            }
-            if (!any) continue;
-            const float *q = a->q + ((int64_t)(t0 + t) * a->n_heads + (int64_t)kh * G) * hd;
-            for (int g0 = 0; g0 < G; g0 += 4) {
-                const int r = t * G + g0;
-                fold_key_block(a, q + (int64_t)g0 * hd, G - g0 < 4 ? G - g0 : 4, kt, vb, bias,
-                               acc + (int64_t)r * hd, mx + r, sum + r);
-            }
-        }
-    }
-    for (int t = 0; t < nt; t++)
-        for (int g = 0; g < G; g++) {
-            const int r = t * G + g;
-            const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;  /* no key: zeros */
-            float *o = a->out + ((int64_t)(t0 + t) * a->n_heads + (int64_t)kh * G + g) * hd;
-            for (int d = 0; d < hd; d++) o[d] = acc[(int64_t)r * hd + d] * inv;
-        }
-}
-
-/* chunk c is unit c: the last token blocks (the longest under a causal mask) go first */
-static void attn_units(const void *ctx, int r0, int r1) {
-    (void)r1;
-    attn_units_t *p = (attn_units_t *)ctx;
-    const int unit = r0 / CHUNK_ROWS, n_kv = p->a.n_kv, G = p->a.n_heads / n_kv;
-    const int block = p->nblocks - 1 - unit / n_kv, hd = p->a.hd;
-    float *work = malloc(sizeof(float) * ((int64_t)2 * ATTN_KBLOCK * hd +
-                                          (int64_t)ATTN_QBLOCK * G * (hd + 2)));
-    if (!work) {
-        p->a.failed = 1;
-        return;
-    }
-    attn_unit(p, block * ATTN_QBLOCK, unit % n_kv, work);
-    free(work);
-}
