@@ -59,6 +59,11 @@ class _StepLayer:
         self.stored, self.in_place = stored, in_place
         self.kernels = kernels  # the triton kernels (GPU path), or None (CPU torch)
 
+    def takes_one(self) -> bool:
+        """Never: a captured step writes through ``update_and_fetch``'s static slots and
+        mask, not ``LayerCache.claim_one``'s host bookkeeping."""
+        return False
+
     def update_and_fetch(self, k, v):
         """Write k, v (B, KVH, hd) at the static slots; keys and values (T, KVH, hd) to
         attend over and the static mask (B, T): T = the stored rows after the write (in
