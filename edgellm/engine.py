@@ -24,7 +24,9 @@ changes are additive only)::
   as ``kv_budget`` bytes hold), allocated (and touched) when the engine starts; a request
   waits in the queue while every slot is busy. ``describe()`` says it in one line.
 - A background thread (started by the constructor unless ``start=False``; then call
-  ``start()``) steps while there is work and sleeps otherwise. ``submit``, ``cancel`` and
+  ``start()``) steps while there is work and sleeps otherwise. Woken from sleep by a
+  request, it waits until no other has come for ``coalesce_s`` (2 ms; at most 20 ms), so
+  requests sent together prefill in one step. ``submit``, ``cancel`` and
   ``stats`` are safe from any thread.
 - A sequence's tokens are the same whatever else is in the batch: at temperature 0, and with
   a ``seed`` when sampling (each request has its own RNG).
