@@ -1041,6 +1041,21 @@ fold_rows(const attn_job_t *a, const float *q, const int NG, const float *kt, co
           const float *bias, float *acc, float *mx, float *sum) {
     const int hd = a->hd;
     __m256 s0[4], s1[4];
+#if defined(__AVX512F__)
+    /* a row's 16 scores in one register: each lane's FMAs in the same order as the two
+     * 8-lane halves below, so the same bits in half the instructions */
+    __m512 s[4];
+    for (int g = 0; g < NG; g++) s[g] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        const __m512 k = _mm512_loadu_ps(kt + d * 16);
+        for (int g = 0; g < NG; g++)
+            s[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[(int64_t)g * hd + d]), k, s[g]);
+    }
+    for (int g = 0; g < NG; g++) {
+        s0[g] = _mm512_castps512_ps256(s[g]);
+        s1[g] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[g]), 1));
+    }
+#else
     for (int g = 0; g < NG; g++) s0[g] = s1[g] = _mm256_setzero_ps();
     for (int d = 0; d < hd; d++) {
         const __m256 k0 = _mm256_loadu_ps(kt + d * 16), k1 = _mm256_loadu_ps(kt + d * 16 + 8);
@@ -1050,6 +1065,7 @@ fold_rows(const attn_job_t *a, const float *q, const int NG, const float *kt, co
             s1[g] = _mm256_fmadd_ps(b, k1, s1[g]);
         }
     }
+#endif
     float pv[4][ATTN_KBLOCK], corr[4];
     const __m256 scale = _mm256_set1_ps(a->scale);
     for (int g = 0; g < NG; g++) {
@@ -1079,7 +1095,22 @@ fold_rows(const attn_job_t *a, const float *q, const int NG, const float *kt, co
         _mm256_storeu_ps(pv[g], p0);
         _mm256_storeu_ps(pv[g] + 8, p1);
     }
-    for (int d = 0; d < hd; d += 8) {
+    int d0 = 0;
+#if defined(__AVX512F__)
+    for (; d0 + 16 <= hd; d0 += 16) {  /* 16 lanes of the row at a time, the same per lane */
+        __m512 x[4];
+        for (int g = 0; g < NG; g++)
+            x[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + (int64_t)g * hd + d0),
+                                 _mm512_set1_ps(corr[g]));
+        for (int jj = 0; jj < ATTN_KBLOCK; jj++) {
+            const __m512 vv = _mm512_loadu_ps(vb + (int64_t)jj * hd + d0);
+            for (int g = 0; g < NG; g++)
+                x[g] = _mm512_fmadd_ps(_mm512_set1_ps(pv[g][jj]), vv, x[g]);
+        }
+        for (int g = 0; g < NG; g++) _mm512_storeu_ps(acc + (int64_t)g * hd + d0, x[g]);
+    }
+#endif
+    for (int d = d0; d < hd; d += 8) {
         __m256 x[4];
         for (int g = 0; g < NG; g++)
             x[g] = _mm256_mul_ps(_mm256_loadu_ps(acc + (int64_t)g * hd + d),
