@@ -88,26 +88,23 @@ def device_name() -> str:
     return f"{model or platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
-_stream_bandwidth: dict[int, float] = {}
-
-
 def cpu_stream_bandwidth(threads: int) -> float:
     """Bytes/second ``threads`` cores stream from memory: the best of 3 f32 mat-vecs over a
-    1 GiB matrix (numpy's BLAS on that many threads), measured once per process. The ceiling
-    a decode step's weight reads can reach on this machine."""
-    if threads not in _stream_bandwidth:
-        from edgellm.backends.cpu.blas_threads import blas_threads
+    1 GiB matrix (numpy's BLAS on that many threads). The ceiling a decode step's weight
+    reads can reach on this machine. Measured anew for each model, right after its runs: on
+    a shared VM the memory speed moves over minutes (this probe read 37 to 66 GB/s in one
+    afternoon), and a share against a probe taken minutes before means little."""
+    from edgellm.backends.cpu.blas_threads import blas_threads
 
-        a = np.ones((16384, 16384), dtype=np.float32)  # 1 GiB: far past any last-level cache
-        x = np.ones(16384, dtype=np.float32)
-        best = float("inf")
-        with blas_threads(threads):
-            for _ in range(3):
-                start = time.perf_counter()
-                a @ x
-                best = min(best, time.perf_counter() - start)
-        _stream_bandwidth[threads] = a.nbytes / best
-    return _stream_bandwidth[threads]
+    a = np.ones((16384, 16384), dtype=np.float32)  # 1 GiB: far past any last-level cache
+    x = np.ones(16384, dtype=np.float32)
+    best = float("inf")
+    with blas_threads(threads):
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ x
+            best = min(best, time.perf_counter() - start)
+    return a.nbytes / best
 
 
 def quant_name(metadata: dict) -> str:
