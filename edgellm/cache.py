@@ -365,8 +365,6 @@ class LayerCache:
         """
         n = k.shape[0]
         start = self.offset
-        if n == 1 and self.takes_one():
-            return self._append_one(k, v)
         new_pos = np.arange(start, start + n)
         if not self.plan.is_ring and start + n > self.plan.slots:
             raise ContextOverflow(f"context full: {start} + {n} tokens exceed the layer's "
@@ -399,23 +397,14 @@ class LayerCache:
         """Book the next token into its slot (only where ``takes_one``): returns the slot and
         the first slot its query sees. Slots [0, slot] hold positions 0..slot, and only the
         window (or a rotating budget) hides some of them. The caller stores the token's key
-        and value in that slot (``_append_one``, or ``Backend.attention_append`` for a whole
-        batch in one call): the general path's index arrays and (n, T) comparisons cost
-        ~10 us a layer, a batched step's largest Python cost."""
+        and value in that slot (``Backend.attention_append``, a whole batch in one call):
+        ``update_and_fetch``'s index arrays and (n, T) comparisons cost ~10 us a layer, a
+        batched step's largest Python cost."""
         p, slot = self.plan, self.offset
         self.slot_pos[slot] = slot
         self.offset = slot + 1
         hidden = max([0] + [slot + 1 - limit for limit in (p.window, p.span) if limit])
         return slot, hidden
-
-    def _append_one(self, k: Any, v: Any) -> tuple[Any, Any, np.ndarray]:
-        """update_and_fetch for one token where ``takes_one``."""
-        slot, hidden = self.claim_one()
-        keys, values = self.store.read()
-        keys[slot], values[slot] = k[0], v[0]
-        mask = np.ones((1, slot + 1), dtype=bool)  # (1, T): query at slot, keys 0..slot
-        mask[0, :hidden] = False
-        return keys[:slot + 1], values[:slot + 1], mask
 
     def _needs_sinks_per_query(self, start: int, n: int) -> bool:
         """Do the queries of this update see the sinks at different distances (wrapped)?"""
