@@ -49,6 +49,9 @@ class QTensor:
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    #: (file, byte offset of ``data`` in it) where data is a view of a file's mapping: a
+    #: reader of a few rows may read them from the file instead of faulting the mapping in
+    source: tuple[Path, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -305,7 +308,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         spans.append((start, start + nbytes, name))
         shape = tuple(reversed(ne))
         view = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=start)
-        tensors[name] = QTensor(name, qtype, shape, view.reshape(*shape[:-1], row_bytes))
+        tensors[name] = QTensor(name, qtype, shape, view.reshape(*shape[:-1], row_bytes),
+                                source=(path, start))
     spans.sort()
     for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
         if start_b < end_a:
