@@ -655,7 +655,7 @@ static int matvec_mt(int qtype, const uint8_t *w, int64_t row_bytes, int rows, i
         return -1;
     }
     matvec_job_t j = {dot_for(qtype), dotk_for(qtype), w, row_bytes, &g, out, rows};
-    parallel_rows(matvec_rows, &j, rows, nthreads);
+    parallel_matvec(matvec_rows, &j, rows, nthreads, n);
     groups_free(&g);
     return 0;
 }
@@ -762,7 +762,7 @@ int ek_matvec_multi(int count, const int *qtypes, const uint8_t *const *ws,
             m.jobs[i] = j;
             offset += (int64_t)n * rows[i];
         }
-        parallel_rows(multi_rows, &m, m.first_chunk[count] * CHUNK_ROWS, nthreads);
+        parallel_matvec(multi_rows, &m, m.first_chunk[count] * CHUNK_ROWS, nthreads, n);
     }
     for (int kq = 0; kq < 2; kq++)
         if (need[kq]) groups_free(&g[kq]);

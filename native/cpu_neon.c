@@ -994,7 +994,7 @@ int ek_matmul_f32(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int 
     int status = -1;
     if (groups_init(&g, a.xq, a.xd, a.xs, n, cols, kq)) {
         matvec_job_t j = matvec_job(qtype, w, row_bytes, &g, out, rows);
-        parallel_rows(matvec_rows, &j, rows, nthreads);
+        parallel_matvec(matvec_rows, &j, rows, nthreads, n);
         status = 0;
     }
     groups_free(&g);
@@ -1059,7 +1059,7 @@ int ek_matvec_multi(int count, const int *qtypes, const uint8_t *const *ws,
             m.jobs[i] = matvec_job(qtypes[i], ws[i], row_bytes[i], &g[kq], out + offset, rows[i]);
             offset += (int64_t)n * rows[i];
         }
-        parallel_rows(multi_rows, &m, m.first_chunk[count] * CHUNK_ROWS, nthreads);
+        parallel_matvec(multi_rows, &m, m.first_chunk[count] * CHUNK_ROWS, nthreads, n);
     }
     for (int kq = 0; kq < 2; kq++) groups_free(&g[kq]);
     acts8_free(&a);

@@ -793,10 +793,10 @@ static int packed_mt(int qtype, const uint8_t *packed, int rows, int cols, const
     }
     packed_job_t j = {qtype, rows, cols, n, f, packed, &a, out, 0};
 #if defined(HAVE_GEMM)
-    parallel_rows(n <= PACKED_DECODE_MAX ? packed_chunk_decode : packed_chunk_rows, &j, rows,
-                  nthreads);
+    if (n <= PACKED_DECODE_MAX) parallel_matvec(packed_chunk_decode, &j, rows, nthreads, n);
+    else parallel_rows(packed_chunk_rows, &j, rows, nthreads);
 #else  /* AVX2: the records are cheap to re-read from cache for each tile of tokens */
-    parallel_rows(packed_chunk_decode, &j, rows, nthreads);
+    parallel_matvec(packed_chunk_decode, &j, rows, nthreads, n);
 #endif
     acts_free(&a);
     return j.failed ? -1 : 0;
@@ -867,7 +867,8 @@ int ek_matmul_packed_multi(int count, const int *qtypes, const uint8_t *const *p
         offset += (int64_t)n * rows[i];
     }
     if (status == 0)
-        parallel_rows(packed_multi_rows, &m, m.first_chunk[count] * CHUNK_ROWS, nthreads);
+        parallel_matvec(packed_multi_rows, &m, m.first_chunk[count] * CHUNK_ROWS, nthreads,
+                        n);
     for (int i = 0; i < count; i++) acts_free(&acts[i]);
     return status;
 }
