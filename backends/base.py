@@ -43,12 +43,6 @@ class Backend(ABC):
         """A small f32 tensor (norm weights, biases), as a backend array."""
         return self.asarray(tensor.dequantize())
 
-    def prefetch(self, weights: Sequence[Any]) -> None:
-        """A hint: ``weights`` (prepared matrices, in the order they are read) are read
-        soon, so a backend with idle threads may bring them toward its cores meanwhile. It
-        never changes a result. The default does nothing."""
-        return None
-
     # -- data movement -------------------------------------------------------------------
     @abstractmethod
     def asarray(self, values: np.ndarray) -> Array:

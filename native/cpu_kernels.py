@@ -32,8 +32,6 @@ SOURCES: dict[str, tuple[Path, ...]] = {
 
 CDEF = """
 int ek_supports(int qtype);
-void ek_prefetch(int count, const uint8_t *const *ptrs, const int64_t *bytes);
-int64_t ek_prefetched_bytes(void);
 int ek_matmul_f32(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
                   const float *x, int n, float *out, int nthreads, int gemm_min);
 int ek_matvec_multi(int count, const int *qtypes, const uint8_t *const *ws,

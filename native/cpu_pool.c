@@ -107,94 +107,14 @@ static void work(uint64_t gen) {
     }
 }
 
-/* ---- weights read ahead by an idle helper -------------------------------------------------
- * Between a decode step's matmuls the caller runs norms, RoPE, attention and Python, while
- * the helpers spin with the memory bus idle: a small model spends a fifth of its step there.
- * The caller names the weights its next matmuls read (ek_prefetch); the first helper, while it
- * waits for a job, issues a prefetch for each of their cache lines, so that the matmul finds
- * them in cache. Prefetch instructions, not loads: they retire without waiting for memory, so
- * a job finds the helper within a slice's 64 instructions (loads that waited on memory made
- * every job a microsecond late and ate the gain). A job always comes first: the helper checks
- * for one after every slice. The list is guarded by a Dekker pair (g_pf_seq, g_pf_busy): the
- * caller withdraws it (seq 0) and waits out a slice in flight before it rewrites it.
- * Gemma 3 270M, 2 cores: its layers' matmuls 2.29 -> 1.67 ms a token, decode 7.53 -> 7.09.
- */
-
-#define PF_MAX 16       /* ranges in one list */
-#define PF_SLICE 4096   /* bytes prefetched between checks for a job */
-
-static struct {
-    const uint8_t *ptr[PF_MAX];
-    int64_t bytes[PF_MAX];
-    int count;
-} g_pf;
-static _Alignas(64) _Atomic uint64_t g_pf_seq;  /* 0: no list, else the list's number */
-static _Alignas(64) atomic_int g_pf_busy;        /* a helper is reading a slice of it */
-static uint64_t g_pf_lists;                      /* lists published (caller side) */
-static _Atomic int64_t g_pf_issued;              /* bytes prefetched so far, for tests */
-
-/* Where the reading helper is in the list numbered seq; done: the last list it finished. */
-typedef struct {
-    uint64_t seq, done;
-    int range;
-    int64_t offset;
-} pf_cursor;
-
-/* Prefetch the next slice of the published list; 0 when nothing is left to prefetch. */
-static int prefetch_slice(pf_cursor *c) {
-    const uint64_t seq = atomic_load(&g_pf_seq);
-    if (seq == 0 || seq == c->done) return 0;
-    atomic_store(&g_pf_busy, 1);
-    if (atomic_load(&g_pf_seq) != seq) {  /* withdrawn meanwhile: leave it alone */
-        atomic_store(&g_pf_busy, 0);
-        return 0;
-    }
-    if (c->seq != seq) *c = (pf_cursor){seq, c->done, 0, 0};
-    if (c->range >= g_pf.count) {
-        c->done = seq;
-        atomic_store(&g_pf_busy, 0);
-        return 0;
-    }
-    const int64_t left = g_pf.bytes[c->range] - c->offset;
-    const int64_t len = left < PF_SLICE ? left : PF_SLICE;
-    const uint8_t *p = g_pf.ptr[c->range] + c->offset;
-    for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(p + o, 0, 2);  /* to L2 */
-    atomic_fetch_add_explicit(&g_pf_issued, len, memory_order_relaxed);
-    c->offset += len;
-    if (c->offset >= g_pf.bytes[c->range]) c->range++, c->offset = 0;
-    atomic_store(&g_pf_busy, 0);
-    return 1;
-}
-
-/* Name the weights the caller reads next (at most PF_MAX ranges, in the order it reads
- * them); an empty list withdraws the last one. Returns once no helper reads the old list, so
- * the caller may free what it named. A no-op without helpers. */
-void ek_prefetch(int count, const uint8_t *const *ptrs, const int64_t *bytes) {
-    pthread_mutex_lock(&g_call_mu);
-    atomic_store(&g_pf_seq, 0);
-    while (atomic_load(&g_pf_busy)) cpu_relax();
-    g_pf.count = 0;
-    for (int i = 0; i < count && g_pf.count < PF_MAX; i++) {
-        if (bytes[i] <= 0) continue;
-        g_pf.ptr[g_pf.count] = ptrs[i];
-        g_pf.bytes[g_pf.count++] = bytes[i];
-    }
-    if (g_pf.count > 0 && g_helpers > 0) atomic_store(&g_pf_seq, ++g_pf_lists);
-    pthread_mutex_unlock(&g_call_mu);
-}
-
-/* Bytes the helper has prefetched since the process started (tests: it does read ahead). */
-int64_t ek_prefetched_bytes(void) { return atomic_load(&g_pf_issued); }
-
 static void *helper_main(void *arg) {
-    const int reads_ahead = arg == 0;  /* the first helper; more would touch the same lines */
-    pf_cursor cursor = {0, 0, 0, 0};
+    (void)arg;
     uint64_t seen = atomic_load(&g_ctr) >> 40;
     for (;;) {
         uint64_t gen = seen;
         const uint64_t until = monotonic_ns() + SPIN_NS;
         for (int i = 1; gen == seen; i++) {
-            if (!(reads_ahead && prefetch_slice(&cursor))) cpu_relax();
+            cpu_relax();
             gen = atomic_load(&g_ctr) >> 40;
             if (i % 64 == 0) {
                 if (monotonic_ns() > until) break;
@@ -217,7 +137,7 @@ static void *helper_main(void *arg) {
 static void ensure_helpers(int n) {
     while (g_helpers < n && g_helpers < MAX_HELPERS) {
         pthread_t t;
-        if (pthread_create(&t, 0, helper_main, (void *)(intptr_t)g_helpers) != 0) return;
+        if (pthread_create(&t, 0, helper_main, 0) != 0) return;
         pthread_detach(t);
         g_helpers++;
     }

@@ -88,20 +88,6 @@ def test_matmul_ragged_prefill(backend, qtype):
     assert np.all(np.abs(got - x @ w.T) <= int8_activation_bound(w, x))
 
 
-def test_prefetch_is_only_a_hint(backend):
-    """Naming weights to be read soon changes no result: the same bits before, right after
-    and long after the hint, and an empty hint is fine."""
-    tensors = [random_tensor(Q.Q4_K, 300, 512, seed=5), random_tensor(Q.Q8_0, 64, 512, seed=6)]
-    ws = tuple(backend.prepare(t) for t in tensors)
-    x = backend.asarray(np.random.default_rng(5).standard_normal((1, 512)).astype(np.float32))
-    before = [backend.to_numpy(backend.matmul(x, w)) for w in ws]
-    backend.prefetch(ws)
-    after = [backend.to_numpy(backend.matmul(x, w)) for w in ws]
-    backend.prefetch(())
-    for b, a in zip(before, after, strict=True):
-        assert np.array_equal(b.view(np.uint32), a.view(np.uint32))
-
-
 @pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)
 def test_embed_and_tied_output(backend, qtype):
     tensor = random_tensor(qtype, 333, 256, seed=3)
@@ -445,29 +431,6 @@ def test_two_threads_share_many_chunks_exactly(kernels, qtype):
     w = dequantize(tensor.data, qtype).reshape(tensor.shape)
     ref = x @ w.T
     assert np.all(np.abs(got - ref) <= int8_activation_bound(w, x) + 1e-4 * np.abs(ref))
-
-
-def test_the_pool_helper_prefetches_what_it_is_named():
-    """With two threads, the helper that waits for the next job issues prefetches for the
-    weights named in a hint: the process's count of prefetched bytes grows by their size (a
-    helper asleep by the time of the hint skips it, so a few tries)."""
-    if "cpu" not in available_backends():
-        pytest.skip("no CPU backend")
-    b = get_backend("cpu", kernels="c", threads=2) if _c_kernel_variants() else None
-    if b is None:
-        pytest.skip("no C kernels here")
-    w = b.prepare(random_tensor(Q.Q4_K, 16 * 64, 512, seed=7))
-    size = (w.packed if w.packed is not None else w.data).nbytes
-    x = np.ones((1, 512), dtype=np.float32)
-    lib = b.native.lib
-    for _ in range(20):
-        start = lib.ek_prefetched_bytes()
-        b.matmul(x, w)  # the helper has just worked: it spins for a millisecond
-        b.prefetch((w,))
-        for _ in range(2000):
-            if lib.ek_prefetched_bytes() - start >= size:
-                return
-    pytest.fail(f"the helper prefetched {lib.ek_prefetched_bytes() - start} of {size} bytes")
 
 
 @pytest.mark.parametrize("qtype", CORE_TYPES, ids=lambda q: q.name)

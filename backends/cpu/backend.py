@@ -21,7 +21,6 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -48,9 +47,6 @@ ATTENTION_THREADS_MIN_MACS = 1 << 16
 ATTENTION_QUERY_BLOCK = 128
 #: file bytes packed (then let go) at a time when weights are repacked at load
 PACK_SLICE_BYTES = 16 << 20
-#: most bytes one prefetch hint names: a quarter of the last-level cache, so what the helper
-#: reads ahead is not pushed out by the matmuls between the hint and its use
-PREFETCH_SHARE_OF_LLC = 4
 #: f32 bytes of one decoded weight tile in prefill (large enough for BLAS to run at speed)
 TILE_BYTES = 16 << 20
 
@@ -184,22 +180,6 @@ def rope_tables(positions: np.ndarray, hd: int, theta: float,
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def last_level_cache_bytes() -> int:
-    """Size of the largest CPU cache this process's first CPU sees (Linux sysfs), or 8 MiB
-    where it is not said."""
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            sizes.append(int(digits) * scale)
-    return max(sizes, default=8 << 20)
-
-
 def physical_cores() -> int:
     """Physical cores available to this process (hyper-threads counted once)."""
     logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -254,8 +234,6 @@ class CpuBackend(NumpyBackend):
         self._plans: dict[tuple, _FusedPlan] = {}  # matmuls' C arguments per weight group
         self._rope_cache: dict[tuple, tuple] = {}  # (cos, sin, freq_factors) per step
         self._embeddings: dict[tuple, object] = {}  # _tensor_key -> table (tied outputs)
-        self._prefetches: dict[int, tuple] = {}  # id(weights) -> (weights, ek_prefetch args)
-        self._prefetch_limit = last_level_cache_bytes() // PREFETCH_SHARE_OF_LLC
 
     @property
     def variant(self) -> str:
@@ -455,39 +433,6 @@ class CpuBackend(NumpyBackend):
             start += n * w.rows
             outs.append(y if b is None else y + b)
         return outs
-
-    def prefetch(self, weights) -> None:
-        """The pool's first helper reads ``weights`` (a tuple the caller keeps) into the
-        cache while it waits for the next job, up to a quarter of the last-level cache
-        (native/cpu_pool.c: ek_prefetch). A decode step's norms, RoPE and attention leave
-        the memory bus idle; this fills that time with the next matmuls' weights."""
-        if self.native is None or self.threads < 2:
-            return
-        entry = self._prefetches.get(id(weights))
-        if entry is None or entry[0] is not weights:
-            entry = (weights, *self._prefetch_args(weights))
-            self._prefetches[id(weights)] = entry  # keeps what C reads alive
-        self.native.lib.ek_prefetch(*entry[1:])
-
-    def _prefetch_args(self, weights) -> tuple:
-        """ek_prefetch's (count, pointers, byte counts) for weights, capped in total."""
-        ranges, left = [], self._prefetch_limit
-        for w in weights:
-            if not isinstance(w, QuantMatrix) or left <= 0:
-                continue
-            data = w.packed if w.packed is not None else w.data
-            size = min(int(data.nbytes), left)
-            ranges.append((int(data.ctypes.data), size))
-            left -= size
-        ffi = self.native.ffi
-        return (len(ranges), ffi.new("uint8_t *[]", [ffi.cast("uint8_t *", a) for a, _ in ranges]),
-                ffi.new("int64_t[]", [n for _, n in ranges]))
-
-    def __del__(self):
-        # the helper may be reading ahead in weights freed with this backend: withdraw them
-        native = getattr(self, "native", None)
-        if native is not None and getattr(self, "_prefetches", None):
-            native.lib.ek_prefetch(0, native.ffi.NULL, native.ffi.NULL)
 
     def _fused_plan(self, weights) -> _FusedPlan | None:
         """The C arguments describing ``weights`` (cached), or None where they can't fuse."""

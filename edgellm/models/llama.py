@@ -54,14 +54,6 @@ class Block:
     w_down: Any
     post_attn_norm: Any = None  # Gemma-style norms on the sublayer outputs
     post_ffn_norm: Any = None
-    #: the weights read after this block's Q/K/V and through the next block's: hinted to the
-    #: backend (``prefetch``) as the block starts, to be read while its ops run
-    ahead: tuple = ()
-
-    def matrices(self) -> tuple:
-        """The block's weight matrices in the order a forward pass reads them."""
-        a = self.attn
-        return a.wq, a.wk, a.wv, a.wo, self.w_gate, self.w_up, self.w_down
 
 
 class Model:
@@ -85,12 +77,6 @@ class Model:
         freqs = tensors.get("rope_freqs.weight")
         self.rope_freqs = freqs.dequantize() if freqs is not None else None
         self.blocks = [self._load_block(i) for i in range(args.n_layers)]
-        for block, after in zip(self.blocks, self.blocks[1:], strict=False):
-            block.ahead = block.matrices()[3:] + after.matrices()[:3]
-        self.first_reads: tuple = ()
-        if self.blocks:  # the last block's are followed by the output matrix: too big to hint
-            self.blocks[-1].ahead = self.blocks[-1].matrices()[3:]
-            self.first_reads = self.blocks[0].matrices()  # hinted while the next token waits
         del self._tensors
 
     # -- loading -------------------------------------------------------------------------
@@ -203,7 +189,6 @@ class Model:
             x = x[-1:]
         x = B.rms_norm(x, self.output_norm, self.args.norm_eps)
         logits = B.matmul(x, self.output)  # (n, vocab)
-        B.prefetch(self.first_reads)
         if self.args.final_logit_softcap:
             logits = B.softcap(logits, self.args.final_logit_softcap)
         return B.to_numpy(logits)
@@ -251,7 +236,6 @@ class Model:
         x = B.rms_norm(x[B.index(np.asarray(rows))], self.output_norm,
                        self.args.norm_eps)  # (R, d)
         logits = B.matmul(x, self.output)  # (R, vocab)
-        B.prefetch(self.first_reads)
         if self.args.final_logit_softcap:
             logits = B.softcap(logits, self.args.final_logit_softcap)
         logits = B.to_numpy(logits)
@@ -297,7 +281,6 @@ class Model:
         """The block's two residual sublayers; ``attend`` maps the normed x to attention's
         output (one sequence's cache, or each sequence of a batch against its own)."""
         B, eps = self.backend, self.args.norm_eps
-        B.prefetch(block.ahead)
         h = attend(B.rms_norm(x, block.attn_norm, eps))
         if block.post_attn_norm is not None:
             h = B.rms_norm(h, block.post_attn_norm, eps)
