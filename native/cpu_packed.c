@@ -744,7 +744,7 @@ static void packed_chunk_decode(const void *ctx, int r0, int r1) {
      * would come in cold, one demand miss at a time. Asked for here, they arrive together. */
     const int64_t head = packed_chunk_bytes(j->qtype, cols) < PREFETCH_AHEAD
                              ? packed_chunk_bytes(j->qtype, cols) : PREFETCH_AHEAD;
-    for (int64_t b = 0; b < head; b += 64) _mm_prefetch((const char *)src + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < head; b += 64) _mm_prefetch((const char *)src + b, PREFETCH_HINT);
     for (int t0 = 0, T; t0 < j->n; t0 += T) {
         T = tile_len(j->n - t0);
         dtile(j->qtype, src, cols, a->x + (int64_t)t0 * cols, a->xc + (int64_t)t0 * ns,
