@@ -103,21 +103,35 @@ static inline void scales_mins_k4(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]
 #define FORCE static inline __attribute__((always_inline))
 
 /* Weight rows are streamed once per token; this VM's hardware prefetchers alone leave a core
- * at ~7 GB/s on them, so each step asks for the bytes PREFETCH_AHEAD further on (measured on
- * a 150k-row Q8_0 matrix, one thread: 7 GB/s without, 10 GB/s at 2 KB ahead).
+ * at ~7 GB/s on them, so each step asks for the bytes g_prefetch_ahead further on. How far
+ * pays differs between CPUs and with the hint: backends/cpu/calibrate.py times a large
+ * mat-vec at 1-16 KB once per CPU model and sets the fastest (ek_set_prefetch_ahead). On 2
+ * Zen 5 cores with the non-temporal hint, decode went 1 KB 9.5 ms a token (0.5B), 2 KB 9.0,
+ * 4 KB 8.2, 8 KB 7.9-8.1, 16 KB 8.6.
  * Non-temporal: read once, they should not push out of L2 what the step reads again (the
  * activations, the KV cache, the interpreter's own state between ops). Against _MM_HINT_T0,
- * interleaved on 2 Zen 5 cores: Gemma 3 270M decode 6.97 -> 6.51 ms a token (AVX2 build 7.48
- * -> 6.82; its output matmul 4.16 -> 3.88, the Python and small ops between matmuls 1.35 ->
- * 1.02), the Qwen 0.5B and 1.5B, an 8-sequence step and pp512 unchanged. */
-#ifndef PREFETCH_AHEAD  /* -DPREFETCH_AHEAD=0 turns it off (benchmarks/native_matvec.c) */
-#define PREFETCH_AHEAD 2048
+ * interleaved on 2 Zen 5 cores at 2 KB: Gemma 3 270M decode 6.97 -> 6.51 ms a token (AVX2
+ * build 7.48 -> 6.82; its output matmul 4.16 -> 3.88, the Python and small ops between
+ * matmuls 1.35 -> 1.02), the Qwen 0.5B and 1.5B, an 8-sequence step and pp512 unchanged;
+ * at 8 KB, Gemma 5.7-6.2 -> 5.2-5.3, the 0.5B 8.5-8.9 -> 7.9-8.6. */
+#ifndef PREFETCH_AHEAD  /* the distance before calibration; -DPREFETCH_AHEAD=0 turns it off */
+#define PREFETCH_AHEAD 8192
 #endif
+static int g_prefetch_ahead = PREFETCH_AHEAD;
+
+/* Set the mat-vec kernels' prefetch distance (bytes, 0..65536, rounded down to a line). */
+void ek_set_prefetch_ahead(int bytes) {
+    g_prefetch_ahead = bytes < 0 ? 0 : (bytes > 65536 ? 65536 : bytes) & ~63;
+}
+
+/* The mat-vec kernels' prefetch distance in bytes. */
+int ek_prefetch_ahead(void) { return g_prefetch_ahead; }
+
 #define PREFETCH_HINT _MM_HINT_NTA
 #if PREFETCH_AHEAD > 0
 #define PREFETCH(p, bytes)                                                                    \
     for (int pf_ = 0; pf_ < (bytes); pf_ += 64)                                               \
-        _mm_prefetch((const char *)(p) + PREFETCH_AHEAD + pf_, PREFETCH_HINT)
+        _mm_prefetch((const char *)(p) + g_prefetch_ahead + pf_, PREFETCH_HINT)
 #else
 #define PREFETCH(p, bytes) ((void)0)
 #endif

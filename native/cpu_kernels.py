@@ -32,6 +32,8 @@ SOURCES: dict[str, tuple[Path, ...]] = {
 
 CDEF = """
 int ek_supports(int qtype);
+void ek_set_prefetch_ahead(int bytes);
+int ek_prefetch_ahead(void);
 int ek_matmul_f32(int qtype, const uint8_t *w, int64_t row_bytes, int rows, int cols,
                   const float *x, int n, float *out, int nthreads, int gemm_min);
 int ek_matvec_multi(int count, const int *qtypes, const uint8_t *const *ws,

@@ -179,9 +179,20 @@ FORCE void blk_q4_1(const uint8_t *w, int b, const int8_t *xq, const float *xd,
         out[(int64_t)t * ldo] = hsum8(vaddq_f32(acc0[t][0], acc1[t][0]),                      \
                                       vaddq_f32(acc0[t][1], acc1[t][1])) + (off0[t] + off1[t]);
 
-/* a hint for the row bytes a few blocks on: in-order cores (Cortex-A55/A76 little cores)
- * benefit; the big out-of-order cores' prefetchers see the stream anyway */
-#define PREFETCH(p) __builtin_prefetch((const char *)(p) + 1024)
+/* a hint for the row bytes g_prefetch_ahead on: in-order cores (Cortex-A55/A76 little cores)
+ * benefit; the big out-of-order cores' prefetchers see the stream anyway. The distance is
+ * calibrated per CPU model as on x86 (backends/cpu/calibrate.py). */
+static int g_prefetch_ahead = 1024;
+
+/* Set the mat-vec kernels' prefetch distance (bytes, 0..65536, rounded down to a line). */
+void ek_set_prefetch_ahead(int bytes) {
+    g_prefetch_ahead = bytes < 0 ? 0 : (bytes > 65536 ? 65536 : bytes) & ~63;
+}
+
+/* The mat-vec kernels' prefetch distance in bytes. */
+int ek_prefetch_ahead(void) { return g_prefetch_ahead; }
+
+#define PREFETCH(p) __builtin_prefetch((const char *)(p) + g_prefetch_ahead)
 
 FORCE void dot_q8_0_n(const uint8_t *w, const int8_t *xq, const float *xd, const int32_t *xs,
                       int nb, const int n, float *out, int64_t ldo) {

@@ -742,8 +742,8 @@ static void packed_chunk_decode(const void *ctx, int r0, int r1) {
     /* The records' prefetches run ahead of the one being read, so the last ones of a chunk
      * fetch the next chunk, which another thread usually claims: a chunk's own first bytes
      * would come in cold, one demand miss at a time. Asked for here, they arrive together. */
-    const int64_t head = packed_chunk_bytes(j->qtype, cols) < PREFETCH_AHEAD
-                             ? packed_chunk_bytes(j->qtype, cols) : PREFETCH_AHEAD;
+    const int64_t head = packed_chunk_bytes(j->qtype, cols) < g_prefetch_ahead
+                             ? packed_chunk_bytes(j->qtype, cols) : g_prefetch_ahead;
     for (int64_t b = 0; b < head; b += 64) _mm_prefetch((const char *)src + b, PREFETCH_HINT);
     for (int t0 = 0, T; t0 < j->n; t0 += T) {
         T = tile_len(j->n - t0);

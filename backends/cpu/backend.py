@@ -31,6 +31,7 @@ from edgellm.quants import Q, dequantize
 from ..anon import anonymous_zeros
 from ..numpy_backend import NumpyBackend, round_activations_like_ggml
 from .blas_threads import blas_threads
+from .calibrate import prefetch_distance
 from .file_rows import FileRows
 
 #: up to this many tokens the Numba path runs its mat-vec kernels; above, tiles + BLAS. The C
@@ -223,6 +224,10 @@ class CpuBackend(NumpyBackend):
         #: weights repacked at load for the C tiles (x86 builds; EDGELLM_PACK=0: off)
         self.packing = (self.native is not None and os.environ.get("EDGELLM_PACK", "1") != "0"
                         and self.native.lib.ek_packed_bytes(int(Q.Q8_0), 16, 32) > 0)
+        if self.native is not None:  # measured once per CPU model, then read from the cache
+            distance = prefetch_distance(self.native, self.variant, self.threads)
+            if distance is not None:
+                self.native.lib.ek_set_prefetch_ahead(distance)
         #: weights repacked at load for the Numba kernels (EDGELLM_PACK=0: off)
         self.numba_packing = self.native is None and os.environ.get("EDGELLM_PACK", "1") != "0"
         if self.native is None:
