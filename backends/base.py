@@ -12,7 +12,8 @@ dim, ``T`` cached positions visible to the new tokens.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,22 @@ import numpy as np
 from edgellm.converters.gguf_reader import QTensor
 
 Array = Any  # the backend's own array type
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What a whole-block decode op needs to know of a model besides its weights."""
+
+    d: int  # model width
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int  # MLP hidden width
+    eps: float  # RMSNorm epsilon
+    scale: float  # attention's query scale
+    softcap: float  # attention logit soft-cap (0: none)
+    neox: bool  # RoPE on halves (else adjacent pairs)
+    activation: str  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
 
 
 class Backend(ABC):
@@ -136,6 +153,26 @@ class Backend(ABC):
             mask[0, first:] = True
             parts.append((keys[:slot + 1], values[:slot + 1], mask))
         return self.attention_batch(q, parts, scale, softcap)
+
+    # -- a decode step's whole block (optional) ---------------------------------------------
+    def prepare_decode_block(self, block: Any, shape: BlockShape) -> Any | None:
+        """``block``'s weights (a model Block: norms, attention and MLP matrices) made ready
+        for ``decode_block``, or None where this backend runs the block op by op (the
+        default)."""
+        return None
+
+    def decode_block(self, plan: Any, x: Array, positions: np.ndarray,
+                     rope: tuple[float, float, np.ndarray | None],
+                     stores: Sequence[tuple[Array, Array]],
+                     claim: Callable[[], tuple[list[int], list[int]]]) -> Array | None:
+        """One decode step of a block whose ``prepare_decode_block`` gave ``plan``: x (N, d)
+        holds one new token of each of N sequences, at ``positions``; ``rope`` is (theta,
+        freq_scale, freq_factors); ``stores`` each sequence's (keys, values) storage.
+        ``claim()`` books each sequence's slot and returns (slots, firsts) as
+        ``attention_append`` takes them; it is called once, only when the block will run.
+        -> x after the block, the op path's result to the bit; None (nothing claimed or
+        written) where this step cannot run this way."""
+        return None
 
     @abstractmethod
     def silu_mul(self, gate: Array, up: Array) -> Array:

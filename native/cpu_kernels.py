@@ -1,11 +1,12 @@
 """Loader for the optional C kernels, built with cffi on first use.
 
 x86 builds cpu_kernels.c + cpu_gemm.c + cpu_packed.c, aarch64 builds cpu_neon.c (each after the
-shared thread pool, cpu_pool.c). The build picks the best instruction set this CPU has
-(AVX-512 VNNI, else AVX2, never AMX; NEON with dotprod, else plain NEON), compiles once into a
-cache folder keyed by the source's hash and the flags, and loads the result. ``load()``
-returns None, never raises, where there is no such CPU, no compiler or no cffi: callers fall
-back to the Numba kernels.
+shared thread pool, cpu_pool.c, and before the portable attention entry points and the
+whole-block decode, cpu_attention_batch.c and cpu_block.c). The build picks the best
+instruction set this CPU has (AVX-512 VNNI, else AVX2, never AMX; NEON with dotprod, else
+plain NEON), compiles once into a cache folder keyed by the source's hash and the flags, and
+loads the result. ``load()`` returns None, never raises, where there is no such CPU, no
+compiler or no cffi: callers fall back to the Numba kernels.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from edgellm.atomic import fsync_dir
 SOURCES: dict[str, tuple[Path, ...]] = {
     arch: tuple(Path(__file__).with_name(name) for name in names)
     for arch, names in (("x86_64", ("cpu_pool.c", "cpu_kernels.c", "cpu_gemm.c", "cpu_packed.c",
-                                    "cpu_attention_batch.c")),
-                        ("aarch64", ("cpu_pool.c", "cpu_neon.c", "cpu_attention_batch.c")))}
+                                    "cpu_attention_batch.c", "cpu_block.c")),
+                        ("aarch64", ("cpu_pool.c", "cpu_neon.c", "cpu_attention_batch.c",
+                                     "cpu_block.c")))}
 
 CDEF = """
 int ek_supports(int qtype);
@@ -66,6 +68,22 @@ int ek_attention_f16_append(int count, const float *q, const float *k_new, const
                             uint16_t *const *kc, uint16_t *const *vc, const int *slot,
                             const int *lo, int n_heads, int n_kv, int hd, float scale,
                             float softcap, float *out, int nthreads);
+typedef struct {
+    int d, n_heads, n_kv, hd, ffn;
+    float eps, scale, softcap;
+    int neox;
+    int gelu;
+    const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm;
+    const int *qkv_types;
+    const uint8_t *const *qkv;
+    const float *const *qkv_bias;
+    int wo_type, gate_up_types[2], down_type;
+    const uint8_t *wo, *down;
+    const uint8_t *const *gate_up;
+} block_t;
+int ek_decode_block(const block_t *b, float *x, int n, uint16_t *const *kc, uint16_t *const *vc,
+                    const int *slot, const int *lo, const float *cos, const float *sin,
+                    float *scratch, int nthreads, int attn_threads);
 """
 
 #: instruction-set variant -> (cpuinfo flags it needs, compiler flags)

@@ -29,6 +29,7 @@ from edgellm.native import cpu_kernels
 from edgellm.quants import Q, dequantize
 
 from ..anon import anonymous_zeros
+from ..base import BlockShape
 from ..numpy_backend import NumpyBackend, round_activations_like_ggml
 from .blas_threads import blas_threads
 from .calibrate import prefetch_distance
@@ -109,6 +110,20 @@ class _FusedPlan:
     addresses: object  # cffi uint8_t *[]
     row_bytes: object  # cffi int64_t[]
     rows: object  # cffi int[]
+
+
+@dataclass
+class _BlockPlan:
+    """ek_decode_block's description of one block (block_t) and what it points into."""
+
+    desc: object  # cffi block_t *
+    keep: tuple  # cffi arrays and numpy vectors the description points to
+    shape: BlockShape
+    scratch_floats: int  # per token
+
+    @property
+    def width(self) -> int:
+        return self.shape.d
 
 
 def _tensor_key(tensor: QTensor) -> tuple:
@@ -612,6 +627,90 @@ class CpuBackend(NumpyBackend):
         if status != 0:
             raise MemoryError("no memory for attention scores")
         return out
+
+    # -- a decode step's whole block in one C call --------------------------------------------
+    def prepare_decode_block(self, block, shape: BlockShape) -> _BlockPlan | None:
+        """ek_decode_block's description of the block where every matrix is packed and the
+        shapes are the kernels' (else None: op by op)."""
+        if self.native is None or shape.head_dim % 8 or shape.activation not in (
+                "silu", "gelu_tanh"):
+            return None
+        a = block.attn
+        mats = block.matrices()
+        if not all(isinstance(w, QuantMatrix) and w.packed is not None for w in mats):
+            return None
+        d, qd, kvd, ffn = (shape.d, shape.n_heads * shape.head_dim,
+                           shape.n_kv_heads * shape.head_dim, shape.ffn)
+        want = [(d, qd), (d, kvd), (d, kvd), (qd, d), (d, ffn), (d, ffn), (ffn, d)]
+        if [(w.cols, w.rows) for w in mats] != want or (a.q_norm is None) != (a.k_norm is None):
+            return None
+        ffi = self.native.ffi
+        vectors = {}
+        for name, vec, size in (("attn_norm", block.attn_norm, d), ("ffn_norm", block.ffn_norm, d),
+                                ("post_attn_norm", block.post_attn_norm, d),
+                                ("post_ffn_norm", block.post_ffn_norm, d),
+                                ("q_norm", a.q_norm, shape.head_dim),
+                                ("k_norm", a.k_norm, shape.head_dim),
+                                ("bq", a.bq, qd), ("bk", a.bk, kvd), ("bv", a.bv, kvd)):
+            if vec is None:
+                continue
+            if not (isinstance(vec, np.ndarray) and vec.dtype == np.float32
+                    and vec.flags.c_contiguous and vec.size == size):
+                return None
+            vectors[name] = vec
+        if "attn_norm" not in vectors or "ffn_norm" not in vectors:
+            return None
+
+        def ptr(name):
+            return ffi.from_buffer("float[]", vectors[name]) if name in vectors else ffi.NULL
+
+        def packed(w):
+            return ffi.cast("uint8_t *", w.packed.ctypes.data)
+
+        qkv = ffi.new("uint8_t *[]", [packed(w) for w in mats[:3]])
+        qkv_types = ffi.new("int[]", [int(w.qtype) for w in mats[:3]])
+        biases = [ptr(name) for name in ("bq", "bk", "bv")]
+        qkv_bias = ffi.new("float *[]", biases)
+        gate_up = ffi.new("uint8_t *[]", [packed(w) for w in mats[4:6]])
+        desc = ffi.new("block_t *", {
+            "d": d, "n_heads": shape.n_heads, "n_kv": shape.n_kv_heads, "hd": shape.head_dim,
+            "ffn": ffn, "eps": shape.eps, "scale": shape.scale, "softcap": shape.softcap,
+            "neox": int(shape.neox), "gelu": int(shape.activation == "gelu_tanh"),
+            "attn_norm": ptr("attn_norm"), "q_norm": ptr("q_norm"), "k_norm": ptr("k_norm"),
+            "post_attn_norm": ptr("post_attn_norm"), "ffn_norm": ptr("ffn_norm"),
+            "post_ffn_norm": ptr("post_ffn_norm"), "qkv_types": qkv_types, "qkv": qkv,
+            "qkv_bias": qkv_bias, "wo_type": int(a.wo.qtype),
+            "gate_up_types": [int(block.w_gate.qtype), int(block.w_up.qtype)],
+            "down_type": int(block.w_down.qtype), "wo": packed(a.wo),
+            "down": packed(block.w_down), "gate_up": gate_up})
+        keep = (mats, vectors, qkv, qkv_types, qkv_bias, gate_up, biases)
+        # normed, h (n, d); q, k, v; RoPE'd q, k; attention (n, qd); gate, up, act (n, ffn)
+        scratch = 2 * d + (qd + 2 * kvd) + (qd + kvd) + qd + 3 * ffn
+        return _BlockPlan(desc, keep, shape, scratch)
+
+    def decode_block(self, plan, x, positions, rope, stores, claim):
+        """The block in one C call (native/cpu_block.c): the op path's kernels, in its order,
+        on the same arguments."""
+        x = np.array(x, dtype=np.float32, order="C", copy=True)  # (n, d), updated in place
+        n, shape = x.shape[0], plan.shape
+        if (n > MATVEC_MAX_TOKENS or x.shape[1] != plan.width or len(stores) != n
+                or not all(a.dtype == np.float16 for pair in stores for a in pair)):
+            return None
+        theta, freq_scale, freq_factors = rope
+        cos, sin = self._rope_tables(np.asarray(positions), shape.head_dim, theta, freq_factors,
+                                     freq_scale)  # (n, hd/2) each
+        slots, firsts = claim()
+        macs = sum(slot + 1 for slot in slots) * shape.n_heads * shape.head_dim
+        scratch = np.empty(n * plan.scratch_floats, dtype=np.float32)
+        f = self.native.ffi.from_buffer
+        status = self.native.lib.ek_decode_block(
+            plan.desc, f("float[]", x), n, [f("uint16_t[]", keys) for keys, _ in stores],
+            [f("uint16_t[]", values) for _, values in stores], slots, firsts,
+            f("float[]", cos), f("float[]", sin), f("float[]", scratch), self.threads,
+            self.threads if macs >= ATTENTION_THREADS_MIN_MACS else 1)
+        if status != 0:
+            raise MemoryError("no memory for a decode step's activations")
+        return x
 
     def _c_attention_takes(self, q, cached) -> bool:
         """The C attention kernel's case: C kernels loaded, an f16 cache (``cached``: the

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from edgellm.backends.base import BlockShape
 from edgellm.cache import (
     CacheConfig,
     KVCache,
@@ -55,6 +56,12 @@ class Block:
     post_attn_norm: Any = None  # Gemma-style norms on the sublayer outputs
     post_ffn_norm: Any = None
 
+    def matrices(self) -> tuple:
+        """The block's weight matrices in the order a forward pass reads them: Q, K, V,
+        output, gate, up, down."""
+        a = self.attn
+        return a.wq, a.wk, a.wv, a.wo, self.w_gate, self.w_up, self.w_down
+
 
 class Model:
     """A decoder-only transformer over a backend's ops.
@@ -77,6 +84,7 @@ class Model:
         freqs = tensors.get("rope_freqs.weight")
         self.rope_freqs = freqs.dequantize() if freqs is not None else None
         self.blocks = [self._load_block(i) for i in range(args.n_layers)]
+        self._block_plans: list | None = None  # the backend's whole-block decode, built lazily
         del self._tensors
 
     # -- loading -------------------------------------------------------------------------
@@ -159,6 +167,19 @@ class Model:
         return build_cache(self.backend, self.cache_specs(), config,
                            default_tokens=default_context(self.args.context_length))
 
+    @property
+    def block_plans(self) -> list:
+        """Per block, the backend's plan for running a decode step's block in one call
+        (``prepare_decode_block``), or None where it runs op by op."""
+        if self._block_plans is None:
+            a = self.args
+            shape = BlockShape(a.d_model, a.n_heads, a.n_kv_heads, a.head_dim, a.d_ff,
+                               a.norm_eps, self.attention_scale(), a.attn_logit_softcap,
+                               self.rope_neox, self.activation)
+            self._block_plans = [self.backend.prepare_decode_block(block, shape)
+                                 for block in self.blocks]
+        return self._block_plans
+
     # -- forward -------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Logits for new tokens (n,): (n, vocab) if all_logits else (1, vocab) for the last.
@@ -184,7 +205,8 @@ class Model:
         if self.embed_scale != 1.0:
             x = B.scale(x, self.embed_scale)
         for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers, strict=True)):
-            x = self.block_forward(i, block, x, positions, layer_cache)
+            y = self.decode_block(i, x, positions, [layer_cache]) if len(tokens) == 1 else None
+            x = y if y is not None else self.block_forward(i, block, x, positions, layer_cache)
         if not all_logits:
             x = x[-1:]
         x = B.rms_norm(x, self.output_norm, self.args.norm_eps)
@@ -226,10 +248,15 @@ class Model:
         x = B.embed(self.tok_embd, np.concatenate(tokens))  # (N, d)
         if self.embed_scale != 1.0:
             x = B.scale(x, self.embed_scale)
+        decode = len(positions) == len(caches)  # one token a sequence
         for i, block in enumerate(self.blocks):
-            attend = partial(self._attention_batch, i, block.attn, positions=positions,
-                             bounds=bounds, layers=[c.layers[i] for c in caches])
-            x = self.sublayers(block, x, attend)
+            layers = [c.layers[i] for c in caches]
+            y = self.decode_block(i, x, positions, layers) if decode else None
+            if y is None:
+                attend = partial(self._attention_batch, i, block.attn, positions=positions,
+                                 bounds=bounds, layers=layers)
+                y = self.sublayers(block, x, attend)
+            x = y
         rows = [int(bounds[j + 1]) - 1 for j in range(len(batch)) if want[j]]
         if not rows:
             return [None] * len(batch)
@@ -270,6 +297,23 @@ class Model:
         return self.backend.attention_append(
             q, k, v, [layer.store.read() for layer in layers], [c[0] for c in claims],
             [c[1] for c in claims], self.attention_scale(), self.args.attn_logit_softcap)
+
+    def decode_block(self, i: int, x, positions: np.ndarray, layers: list[LayerCache]):
+        """Block i of a decode step (x (N, d): one token of each of N sequences, each with its
+        layer cache) in one backend call, or None where the backend or a cache takes the op
+        path (nothing touched then). The result is the op path's to the bit."""
+        plan = self.block_plans[i]
+        if plan is None or not all(layer.takes_one() for layer in layers):
+            return None
+
+        def claim() -> tuple[list[int], list[int]]:
+            claims = [layer.claim_one() for layer in layers]  # (slot, first visible slot)
+            return [c[0] for c in claims], [c[1] for c in claims]
+
+        theta, freq_scale = self.layer_rope(i)
+        return self.backend.decode_block(plan, x, positions,
+                                         (theta, freq_scale, self.rope_freqs),
+                                         [layer.store.read() for layer in layers], claim)
 
     def block_forward(self, i: int, block: Block, x, positions: np.ndarray,
                       layer_cache: LayerCache):
