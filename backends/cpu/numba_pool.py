@@ -39,6 +39,9 @@ from .numba_simd import (
     _work_and_wait,
 )
 
+MATVEC_PARTS = 1  # claims a thread for a decode step's mat-vec
+MATVEC_TOKENS = 8  # at most this many tokens make one
+
 
 def weight_job(kind: str, rows: int, blocks: int, planes: tuple) -> np.ndarray:
     """The weight's part of a job (int64[13]): kind, rows, blocks per row, the planes'
@@ -74,6 +77,10 @@ class MatvecPool:
                 return
             if not self._helpers:
                 self._start_helpers()
+            # a decode step's few tokens claim in halves of what is left, a prompt's in
+            # GUIDED_PARTS shares (as the C pool: native/cpu_pool.c, MATVEC_PARTS)
+            parts = MATVEC_PARTS if xq.shape[0] <= MATVEC_TOKENS else GUIDED_PARTS
+            self._ctl[_PARTS] = parts * self.threads
             gen, sleeping = _publish(self._ctl, job, xq, xd, xs, out)
             if sleeping:
                 self._wake.set()
