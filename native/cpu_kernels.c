@@ -105,9 +105,9 @@ static inline void scales_mins_k4(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]
 /* Weight rows are streamed once per token; this VM's hardware prefetchers alone leave a core
  * at ~7 GB/s on them, so each step asks for the bytes g_prefetch_ahead further on. How far
  * pays differs between CPUs and with the hint: backends/cpu/calibrate.py times a large
- * mat-vec at 1-16 KB once per CPU model and sets the fastest (ek_set_prefetch_ahead). On 2
- * Zen 5 cores with the non-temporal hint, decode went 1 KB 9.5 ms a token (0.5B), 2 KB 9.0,
- * 4 KB 8.2, 8 KB 7.9-8.1, 16 KB 8.6.
+ * mat-vec at 1-16 KB once per CPU model and sets the fastest where it beats this default by
+ * 5% (ek_set_prefetch_ahead). On 2 Zen 5 cores with the non-temporal hint, decode went 1 KB
+ * 9.5 ms a token (0.5B), 2 KB 9.0, 4 KB 8.2, 8 KB 7.9-8.1, 16 KB 8.6.
  * Non-temporal: read once, they should not push out of L2 what the step reads again (the
  * activations, the KV cache, the interpreter's own state between ops). Against _MM_HINT_T0,
  * interleaved on 2 Zen 5 cores at 2 KB: Gemma 3 270M decode 6.97 -> 6.51 ms a token (AVX2

@@ -611,18 +611,6 @@ FORCE __m256 q5_0_half_one(const uint8_t *src, int h, const int8_t *xs, int32_t 
                            _mm256_mul_ps(sc, _mm256_set1_ps(f1)), acc);
 }
 
-FORCE void dtile_q5_0_one(const uint8_t *src, int nb, const int nh, const int8_t *x,
-                          const int32_t *xc, const float *f1, float *out, uint16_t keep) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int s = 0; s < nb; s++, src += 352) {
-        PREFETCH(src, 352);
-        const int8_t *xs = x + 32 * (int64_t)s;
-        acc0 = q5_0_half_one(src, 0, xs, xc[s], f1[s], acc0);
-        if (nh == 2) acc1 = q5_0_half_one(src, 1, xs, xc[s], f1[s], acc1);
-    }
-    store_half(out, keep & 0xFF, acc0);
-    if (nh == 2) store_half(out + 8, keep >> 8, acc1);
-}
 #endif
 
 /* Q4_K: per sub-block of 32 (8 groups) the int16 pairs times the lanes' 6-bit scales; the
@@ -734,7 +722,7 @@ FORCE void dtile_q6k(const uint8_t *src, int nsb, int nh, const int8_t *x, const
 
 #if defined(__AVXVNNI__)
 /* Q4_K for one token (decode), on AVX-VNNI: one half of a superblock at a time, its sums in
- * registers (as dtile_q5_0_one): hot, one thread, 28-29 -> 32-35 GB/s (AVX-512: 47-52). The
+ * registers (as q5_0_half_one): hot, one thread, 28-29 -> 32-35 GB/s (AVX-512: 47-52). The
  * same integer sums and float steps. Q6_K's tile written this way ran 5-10% slower than the
  * T-token one, so Q6_K keeps that. */
 FORCE __m256 q4k_super_half(const uint8_t *src, int h, const int8_t *x, const int32_t *xp,
@@ -765,15 +753,25 @@ FORCE __m256 q4k_super_half(const uint8_t *src, int h, const int8_t *x, const in
                             acc);
 }
 
-/* Q4_K, one token, nh halves */
-FORCE void dtile_q4k_one(const uint8_t *src, int nsb, const int nh, const int8_t *x,
-                         const int32_t *xp, const float *f1, float *out, uint16_t keep) {
+/* One token over a chunk's records, nh halves: Q5_0 (q4k 0) or Q4_K (q4k 1). Called with
+ * both as constants, so each half's accumulator is a register of its own. */
+FORCE void dtile_one(const int q4k, const uint8_t *src, int cols, const int nh, const int8_t *x,
+                     const int32_t *xc, const int32_t *xp, const float *f1, float *out,
+                     uint16_t keep) {
+    const int nrec = q4k ? cols / 256 : cols / 32;
+    const int64_t rec = q4k ? 2368 : 352;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int sb = 0; sb < nsb; sb++, src += 2368) {
-        PREFETCH(src, 2368);
-        const int8_t *xs = x + 256 * (int64_t)sb;
-        acc0 = q4k_super_half(src, 0, xs, xp + 4 * sb, f1[sb], acc0);
-        if (nh == 2) acc1 = q4k_super_half(src, 1, xs, xp + 4 * sb, f1[sb], acc1);
+    for (int r = 0; r < nrec; r++, src += rec) {
+        PREFETCH(src, rec);
+        if (q4k) {
+            const int8_t *xs = x + 256 * (int64_t)r;
+            acc0 = q4k_super_half(src, 0, xs, xp + 4 * r, f1[r], acc0);
+            if (nh == 2) acc1 = q4k_super_half(src, 1, xs, xp + 4 * r, f1[r], acc1);
+        } else {
+            const int8_t *xs = x + 32 * (int64_t)r;
+            acc0 = q5_0_half_one(src, 0, xs, xc[r], f1[r], acc0);
+            if (nh == 2) acc1 = q5_0_half_one(src, 1, xs, xc[r], f1[r], acc1);
+        }
     }
     store_half(out, keep & 0xFF, acc0);
     if (nh == 2) store_half(out + 8, keep >> 8, acc1);
@@ -787,14 +785,16 @@ FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, c
     (void)f2;  /* the per-block minimum types are not packed */
     const int nh = keep >> 8 ? 2 : 1;
 #if defined(__AVXVNNI__)
-    if (T == 1 && qtype == T_Q5_0) {
-        if (nh == 2) dtile_q5_0_one(src, cols / 32, 2, x, xc, f1, out, keep);
-        else dtile_q5_0_one(src, cols / 32, 1, x, xc, f1, out, keep);
-        return;
-    }
-    if (T == 1 && qtype == T_Q4_K) {
-        if (nh == 2) dtile_q4k_one(src, cols / 256, 2, x, xp, f1, out, keep);
-        else dtile_q4k_one(src, cols / 256, 1, x, xp, f1, out, keep);
+    if (T == 1 && (qtype == T_Q5_0 || qtype == T_Q4_K)) {  /* decode: the one-token tiles */
+#define ONE(Q4K, NH) dtile_one(Q4K, src, cols, NH, x, xc, xp, f1, out, keep)
+        if (qtype == T_Q4_K) {
+            if (nh == 2) ONE(1, 2);
+            else ONE(1, 1);
+        } else {
+            if (nh == 2) ONE(0, 2);
+            else ONE(0, 1);
+        }
+#undef ONE
         return;
     }
 #endif

@@ -11,6 +11,7 @@ the build's by MARGIN, else the build's. ``EDGELLM_PREFETCH_AHEAD=N`` sets it by
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -33,9 +34,10 @@ MARGIN = 0.05
 MATRIX_BYTES = 192 << 20
 ROUNDS = 5
 CACHE_FILE = "prefetch_distance.json"
-_this_process: dict[str, int | None] = {}  # key -> answer: one measurement a process at most
+_this_process: dict[str, int] = {}  # key -> answer: the file and the CPU read once a process
 
 
+@functools.cache
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo on Linux; the platform's word elsewhere)."""
     try:
@@ -60,12 +62,13 @@ def prefetch_distance(native: Any, variant: str, threads: int) -> int | None:
         except ValueError:
             raise ValueError(f"EDGELLM_PREFETCH_AHEAD={forced!r} is not a byte count") from None
     key = f"{cpu_model()} | {variant} | {threads} threads"
+    if key in _this_process:
+        return _this_process[key]
     path = cache_dir() / CACHE_FILE
     known = _read_cache(path)
     if isinstance(known.get(key), int):
+        _this_process[key] = known[key]
         return known[key]
-    if key in _this_process:
-        return _this_process[key]
     try:
         times = time_prefetch_distances(native, threads)
     except MemoryError:  # no room for the timed matrix now: measure another time
@@ -118,16 +121,12 @@ def time_prefetch_distances(native: Any, threads: int) -> dict[int, float]:
     before = lib.ek_prefetch_ahead()
     best = dict.fromkeys(sorted({*CANDIDATES, before}), float("inf"))
     try:
-        _time_rounds(lib, matvec, best)
+        for _ in range(ROUNDS):
+            for distance in best:
+                lib.ek_set_prefetch_ahead(distance)
+                start = time.perf_counter()
+                matvec()
+                best[distance] = min(best[distance], time.perf_counter() - start)
     finally:
         lib.ek_set_prefetch_ahead(before)
     return best
-
-
-def _time_rounds(lib: Any, matvec, best: dict[int, float]) -> None:
-    for _ in range(ROUNDS):
-        for distance in best:
-            lib.ek_set_prefetch_ahead(distance)
-            start = time.perf_counter()
-            matvec()
-            best[distance] = min(best[distance], time.perf_counter() - start)

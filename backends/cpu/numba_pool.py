@@ -27,7 +27,7 @@ from .numba_simd import (
     _PARTS,
     _SLEEPING,
     CHUNK_ROWS,
-    GUIDED_PARTS,
+    CLAIM_PARTS,
     KINDS,
     SPIN_POLLS,
     WEIGHT_FIELDS,
@@ -38,9 +38,6 @@ from .numba_simd import (
     _run_alone,
     _work_and_wait,
 )
-
-MATVEC_PARTS = 1  # claims a thread for a decode step's mat-vec
-MATVEC_TOKENS = 8  # at most this many tokens make one
 
 
 def weight_job(kind: str, rows: int, blocks: int, planes: tuple) -> np.ndarray:
@@ -62,7 +59,7 @@ class MatvecPool:
     def __init__(self, threads: int):
         self.threads = max(1, int(threads))
         self._ctl = np.zeros(_CTL_WORDS + 8, dtype=np.int64)
-        self._ctl[_PARTS] = GUIDED_PARTS * self.threads
+        self._ctl[_PARTS] = CLAIM_PARTS * self.threads
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._helpers: list[threading.Thread] = []
@@ -77,10 +74,6 @@ class MatvecPool:
                 return
             if not self._helpers:
                 self._start_helpers()
-            # a decode step's few tokens claim in halves of what is left, a prompt's in
-            # GUIDED_PARTS shares (as the C pool: native/cpu_pool.c, MATVEC_PARTS)
-            parts = MATVEC_PARTS if xq.shape[0] <= MATVEC_TOKENS else GUIDED_PARTS
-            self._ctl[_PARTS] = parts * self.threads
             gen, sleeping = _publish(self._ctl, job, xq, xd, xs, out)
             if sleeping:
                 self._wake.set()

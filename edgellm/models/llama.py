@@ -32,6 +32,13 @@ from edgellm.converters.gguf_reader import QTensor
 PREFILL_CHUNK = 512
 
 
+def claim_slots(layers: Sequence[LayerCache]) -> tuple[list[int], list[int]]:
+    """Book the next token of each layer cache (``LayerCache.claim_one``): each one's slot
+    and the first slot its query sees, as ``Backend.attention_append`` takes them."""
+    claims = [layer.claim_one() for layer in layers]
+    return [c[0] for c in claims], [c[1] for c in claims]
+
+
 @dataclass
 class AttentionWeights:
     wq: Any
@@ -293,10 +300,10 @@ class Model:
         no cache touched)."""
         if not all(layer.takes_one() for layer in layers):
             return None
-        claims = [layer.claim_one() for layer in layers]  # (slot, first visible slot) each
+        slots, firsts = claim_slots(layers)
         return self.backend.attention_append(
-            q, k, v, [layer.store.read() for layer in layers], [c[0] for c in claims],
-            [c[1] for c in claims], self.attention_scale(), self.args.attn_logit_softcap)
+            q, k, v, [layer.store.read() for layer in layers], slots, firsts,
+            self.attention_scale(), self.args.attn_logit_softcap)
 
     def decode_block(self, i: int, x, positions: np.ndarray, layers: list[LayerCache]):
         """Block i of a decode step (x (N, d): one token of each of N sequences, each with its
@@ -305,15 +312,11 @@ class Model:
         plan = self.block_plans[i]
         if plan is None or not all(layer.takes_one() for layer in layers):
             return None
-
-        def claim() -> tuple[list[int], list[int]]:
-            claims = [layer.claim_one() for layer in layers]  # (slot, first visible slot)
-            return [c[0] for c in claims], [c[1] for c in claims]
-
         theta, freq_scale = self.layer_rope(i)
         return self.backend.decode_block(plan, x, positions,
                                          (theta, freq_scale, self.rope_freqs),
-                                         [layer.store.read() for layer in layers], claim)
+                                         [layer.store.read() for layer in layers],
+                                         partial(claim_slots, layers))
 
     def block_forward(self, i: int, block: Block, x, positions: np.ndarray,
                       layer_cache: LayerCache):
