@@ -111,6 +111,28 @@ class Backend(ABC):
         as ggml's NEOX and NORM modes. ``freq_factors`` (hd/2,) divide the frequencies (Llama 3).
         """
 
+    def rope_qk(self, q: Array, k: Array, positions: np.ndarray, theta: float, neox: bool,
+                freq_factors: np.ndarray | None = None, freq_scale: float = 1.0,
+                norms: tuple | None = None) -> tuple[Array, Array]:
+        """``rope`` of queries q (n, H, hd) and keys k (n, KVH, hd) at the same positions,
+        each head RMS-normalised first where ``norms`` = (q weight, k weight, eps) is given
+        (Gemma 3, Qwen3); a device backend does all of it in one launch."""
+        if norms is not None:
+            q_norm, k_norm, eps = norms
+            q, k = self.rms_norm(q, q_norm, eps), self.rms_norm(k, k_norm, eps)
+        return (self.rope(q, positions, theta, neox, freq_factors, freq_scale),
+                self.rope(k, positions, theta, neox, freq_factors, freq_scale))
+
+    def residual(self, x: Array, h: Array, eps: float, h_norm: Array | None = None,
+                 out_norm: Array | None = None) -> tuple[Array, Array | None]:
+        """A residual sublayer's end: ``x + h`` (h RMS-normalised by ``h_norm`` first, where
+        given: Gemma's post-norms), and the sum RMS-normalised by ``out_norm`` (the next
+        sublayer's input; None where not given). A device backend does it in one launch."""
+        if h_norm is not None:
+            h = self.rms_norm(h, h_norm, eps)
+        x = x + h
+        return x, (self.rms_norm(x, out_norm, eps) if out_norm is not None else None)
+
     @abstractmethod
     def attention(self, q: Array, k: Array, v: Array, mask: np.ndarray, scale: float,
                   softcap: float = 0.0) -> Array:

@@ -11,7 +11,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"llama bench tests profile ab matvec sweep"}
+STEPS=${STEPS:-"llama bench tests profile ab mem matvec sweep"}
 mkdir -p "$OUT" /tmp/m
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -70,12 +70,21 @@ if has profile; then
     echo "== decode profile (1.5B)"
     timeout 90 python3 benchmarks/torch_profile.py "${MODELS[2]}" 2>&1 | tee "$OUT/profile.txt" | tail -n 40
 fi
-if has ab; then  # decode with and without the norm/GLU + quantize fusion, interleaved
-    for fuse in 0 1 0 1; do
-        echo "== 1.5B tg128, EDGELLM_FUSE_QUANTIZE=$fuse"
-        EDGELLM_FUSE_QUANTIZE=$fuse timeout 60 python3 -m edgellm.apps.cli bench \
-            -m "${MODELS[2]}" --backend torch -p 0 -n 128 -r 3 -o json 2>/dev/null \
-            | python3 -c "import json,sys; print([round(r['mean_ts'], 1) for r in json.load(sys.stdin)])"
+if has ab; then  # decode: launch fusions off/on (alternating processes), host vs device argmax
+    for m in "${MODELS[2]}" "${MODELS[0]}"; do
+        for fuse in ${AB_ORDER:-0 1 0 1}; do
+            EDGELLM_FUSE_LAUNCHES=$fuse timeout 90 python3 benchmarks/torch_decode_ab.py "$m" \
+                2>&1 | tail -n 1
+        done
+    done
+fi
+if has mem; then  # device memory at peak and pp512: cuBLAS's workspace 32 MiB against ours, 16
+    for m in "${MODELS[0]}"; do  # (the model furthest over 1.2x at 32 MiB)
+        for ws in ":4096:8" ":4096:4" ":4096:8" ":4096:4"; do
+            echo "== CUBLAS_WORKSPACE_CONFIG=$ws $(basename "$m")"
+            CUBLAS_WORKSPACE_CONFIG=$ws timeout 100 python3 -m edgellm.apps.cli bench -m "$m" \
+                --backend torch -p 512 -n 128 -r 5 -o json 2>/dev/null | python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s peak', r.get('peak_device_memory'), 'gguf', r.get('size'), 'kv', r.get('kv_bytes')) for r in json.load(sys.stdin)]"
+        done
     done
 fi
 if has matvec; then

@@ -155,12 +155,14 @@ def _time_prompt(net, make_cache, tokens: np.ndarray) -> float:
 
 
 def _time_generation(net, make_cache, n_gen: int, token: int) -> float:
+    """Seconds for n_gen greedy tokens (``greedy_tokens``: on a device backend the argmax is
+    taken there and the step queued ahead is waited for before the clock stops)."""
     cache = make_cache()
-    ids = np.array([token])
     start = time.perf_counter()
+    steps = net.greedy_tokens(token, cache)
     for _ in range(n_gen):
-        logits = net.forward(ids, cache)
-        ids = np.array([int(logits[0].argmax())])
+        next(steps)
+    steps.close()
     return time.perf_counter() - start
 
 

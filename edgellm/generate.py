@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -30,14 +31,19 @@ class NonFiniteLogits(ValueError):
     """The model's output went NaN or infinite: a corrupt weight file or a numeric fault."""
 
 
+def non_finite(step: int) -> NonFiniteLogits:
+    """The error for logits that went NaN or infinite at generated token ``step``."""
+    return NonFiniteLogits(
+        f"the model's logits became NaN or infinite at generated token {step}: its "
+        "weights are likely corrupt (re-download or re-convert the file), or try "
+        "--backend numpy to rule out a kernel fault")
+
+
 def checked_logits(logits: np.ndarray, step: int) -> np.ndarray:
     """``logits`` unchanged if all finite; else a ``NonFiniteLogits`` that stops generation
     (sampling from NaN picks token 0 or garbage, silently). ~20 us for a 150k vocab."""
     if not np.isfinite(logits).all():
-        raise NonFiniteLogits(
-            f"the model's logits became NaN or infinite at generated token {step}: its "
-            "weights are likely corrupt (re-download or re-convert the file), or try "
-            "--backend numpy to rule out a kernel fault")
+        raise non_finite(step)
     return logits
 
 
@@ -80,10 +86,14 @@ def generate_step(
     params: SamplingParams,
     history: Sequence[int] = (),
     cancel: threading.Event | None = None,
-) -> Iterator[tuple[int, np.ndarray]]:
+) -> Iterator[tuple[int, np.ndarray | None]]:
     """Prefill ``prompt`` (appended to what ``cache`` holds) in one pass, then decode.
 
-    Yields (token, logits) for each new token, for ever: the caller decides when to stop.
+    Yields (token, logits) for each new token, for ever: the caller decides when to stop,
+    and closes the generator (a device backend's greedy steps run one token ahead, which
+    closing takes back out of the cache). Where the token is the logits' argmax
+    (``params.argmax_only``) it comes from ``net.greedy_tokens`` and the logits after the
+    first are None: a device backend then keeps them on the device.
     ``history`` is the context already in the cache, for the repetition penalties.
     ``cancel``: see ``prefill`` (between tokens, the caller checks it).
     """
@@ -93,6 +103,13 @@ def generate_step(
     sample = make_sampler(params)
     context = list(history) + list(prompt)
     logits = checked_logits(prefill(net, prompt, cache, cancel), 0)
+    if params.argmax_only and hasattr(net, "greedy_tokens"):
+        token = int(np.argmax(logits))
+        yield token, logits
+        with closing(net.greedy_tokens(token, cache)) as tokens:
+            for token in tokens:
+                yield token, None
+        return
     while True:
         logits = process(logits, context)
         token = sample(logits)
@@ -295,37 +312,40 @@ def stream_generate(
     if params.max_tokens == 0:
         yield response("", None, "length")
         return
-    while finish is None:
-        if cancel is not None and cancel.is_set():
-            yield response("", None, "cancelled")
-            return
-        try:
-            step = next(steps)
-        except ContextOverflow:
-            yield response(stops.flush() + detok.flush(), None, "context")
-            return
-        except Cancelled:
-            yield response("", None, "cancelled")
-            return
-        token, from_draft = step[0], len(step) > 2 and step[2]
-        n += 1
-        if n == 1:
-            first_at = time.perf_counter()
-        if token in eos and not params.ignore_eos:
-            yield response(stops.flush() + detok.flush(), token, "stop")
-            return
-        text, hit = stops.feed(detok.add(token))
-        if hit:
-            finish = "stop"
-        elif n >= params.max_tokens:
-            finish = "length"
-            text += stops.flush() + detok.flush()
-        elif not cache.fits(1):
-            finish = "context"
-            text += stops.flush() + detok.flush()
-        record = response(text, token, finish)
-        record.extra.update(context_event(cache))  # the budget rotated tokens out
-        yield record
+    try:
+        while finish is None:
+            if cancel is not None and cancel.is_set():
+                yield response("", None, "cancelled")
+                return
+            try:
+                step = next(steps)
+            except ContextOverflow:
+                yield response(stops.flush() + detok.flush(), None, "context")
+                return
+            except Cancelled:
+                yield response("", None, "cancelled")
+                return
+            token, from_draft = step[0], len(step) > 2 and step[2]
+            n += 1
+            if n == 1:
+                first_at = time.perf_counter()
+            if token in eos and not params.ignore_eos:
+                yield response(stops.flush() + detok.flush(), token, "stop")
+                return
+            text, hit = stops.feed(detok.add(token))
+            if hit:
+                finish = "stop"
+            elif n >= params.max_tokens:
+                finish = "length"
+                text += stops.flush() + detok.flush()
+            elif not cache.fits(1):
+                finish = "context"
+                text += stops.flush() + detok.flush()
+            record = response(text, token, finish)
+            record.extra.update(context_event(cache))  # the budget rotated tokens out
+            yield record
+    finally:
+        steps.close()  # a device backend's step queued ahead leaves the cache
 
 
 def generate(model: Model, prompt: str | Sequence[int], params: SamplingParams | None = None,

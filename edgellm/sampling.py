@@ -50,6 +50,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy, and nothing changes the logits first (no bias, no penalties): the token
+        is their argmax, which a device backend can take without sending them back."""
+        penalties = self.penalty_last_n != 0 and (
+            self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty)
+        return self.greedy and not self.logit_bias and not penalties
+
 
 LogitsProcessor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
 

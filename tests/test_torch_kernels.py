@@ -262,3 +262,73 @@ def test_matmul_after_a_norm_uses_its_blocks(monkeypatch):
             be.matmul(be.asarray(x), weight)  # not the norm's output
             assert calls
     np.testing.assert_array_equal(outs[1], outs[0])
+
+
+def _same(got, want, exact: bool) -> None:
+    """Bit for bit in the interpreter (the same numpy arithmetic either way); on a GPU the
+    compiler contracts a fused kernel's multiply-adds and orders its sums its own way, so
+    within a few f32 ulps there."""
+    if exact:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=4e-6, atol=4e-6)
+
+
+EXACT = not torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("neox,norm", [(True, True), (False, False), (True, False)])
+def test_rope_qk_equals_norms_then_ropes(neox, norm):
+    """Queries and keys (their heads RMS-normalised first: Gemma 3's Q/K norms) rotated in
+    one launch: the results of rms_norm and rope launched per tensor (bit for bit in the
+    interpreter), and within f32 rounding of the numpy reference."""
+    rng = np.random.default_rng(int(neox) + 2 * int(norm))
+    n, H, kvh, hd = 3, 4, 2, 16
+    q, k = (rng.standard_normal((n, heads, hd)).astype(np.float32) * 2 for heads in (H, kvh))
+    qw, kw = (rng.standard_normal(hd).astype(np.float32) for _ in range(2))
+    pos = np.array([0, 7, 300])
+    angles = pos[:, None] * 10000.0 ** (-np.arange(0, hd, 2) / hd)[None, :]
+    cos, sin = (t(f(angles).astype(np.float32)) for f in (np.cos, np.sin))
+    norms = (t(qw), t(kw), 1e-6) if norm else None
+    qo, ko = kernels.rope_qk(t(q), t(k), cos, sin, neox, norms)
+    for x, w, got in ((q, qw, qo), (k, kw, ko)):
+        x_t = kernels.rms_norm(t(x), t(w), 1e-6) if norm else t(x)
+        _same(got, kernels.rope(x_t, cos, sin, neox), EXACT)
+        ref = REF.rms_norm(x, w, 1e-6) if norm else x
+        ref = REF.rope(ref, pos, 10000.0, neox)
+        np.testing.assert_allclose(got.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("post,norm,quantize,K", [
+    (True, True, True, 512), (False, True, True, 96), (True, False, False, 512),
+    (False, True, False, 1536), (True, True, False, 1100)])
+def test_residual_equals_the_separate_launches(post, norm, quantize, K):
+    """A sublayer's end in one launch (h's post-norm, the residual add, the next norm, its
+    8-bit blocks): the results of the launches it replaces (bit for bit in the interpreter),
+    close to numpy's, and the blocks exactly those of its own normed output."""
+    rng = np.random.default_rng(K)
+    n = 2
+    x, h = (t(rng.standard_normal((n, K)).astype(np.float32) * 3) for _ in range(2))
+    hw, w = (t(rng.standard_normal(K).astype(np.float32)) for _ in range(2))
+    total, normed, blocks = kernels.residual(x, h, 1e-6, hw if post else None,
+                                             w if norm else None, quantize)
+    want = x + (kernels.rms_norm(h, hw, 1e-6) if post else h)
+    _same(total, want, EXACT)
+    ref_h = REF.rms_norm(h.cpu().numpy(), hw.cpu().numpy(), 1e-6) if post else h.cpu().numpy()
+    ref = x.cpu().numpy() + ref_h
+    np.testing.assert_allclose(total.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
+    if not norm:
+        assert normed is None and blocks is None
+        return
+    _same(normed, kernels.rms_norm(want, w, 1e-6), EXACT)
+    np.testing.assert_allclose(normed.cpu().numpy(), REF.rms_norm(ref, w.cpu().numpy(), 1e-6),
+                               rtol=1e-4, atol=1e-4)
+    if not quantize:
+        assert blocks is None
+        return
+    own = kernels.then_quantize("norm", total, w, 1e-6)[1]  # the blocks of these values
+    assert sorted(blocks) == sorted(own)
+    padded = -(-K // 64) * 64
+    for block, (xq, xd) in blocks.items():
+        wq, wd = kernels.quantize_activations(normed, block, padded)
+        assert torch.equal(xq, wq) and torch.equal(xd, wd)

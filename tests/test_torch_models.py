@@ -160,6 +160,76 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
     assert graphs.captures == (len(sizes) if graphs.capture else 0)
 
 
+@pytest.mark.parametrize("window", [0, 5])
+def test_greedy_tokens_on_the_device_equal_host_argmax(tmp_path, window):
+    """Model.greedy_tokens through graphs.py (argmax on the device, each step queued before
+    the one before is read back) gives the tokens of forward + the host's argmax, and once
+    closed leaves the cache as they do: the step run ahead is taken back out, so a later
+    step's logits are the same. Also at the cache's end (the last free slot is never run
+    ahead into) and, with a window, across a ring's wrap."""
+    from edgellm.cache import CacheConfig
+    from edgellm.quants import Q
+
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q.Q8_0, backend, window)
+    graphs = backend.graphs
+    config = CacheConfig(max_tokens=24, reserve=4)
+
+    def run(use_graphs: bool, n: int):
+        backend.graphs = graphs if use_graphs else None
+        try:
+            cache = net.make_cache(config=config)
+            first = int(net.forward(np.array([1, 5, 9, 200]), cache)[0].argmax())
+            steps = net.greedy_tokens(first, cache)
+            tokens = [next(steps) for _ in range(n)]
+            steps.close()
+            books = [(layer.slot_pos.copy(), layer.offset) for layer in cache.layers]
+            after = net.forward(np.array([7]), cache) if cache.fits(1) else None
+            return tokens, books, after
+        finally:
+            backend.graphs = graphs
+
+    for n in (1, 3, 19):  # 19: the prompt's 4 + 19 fill 23 of 24 slots; the last is left
+        host = run(False, n)
+        device = run(True, n)
+        assert device[0] == host[0]
+        for (pos, off), (pos_h, off_h) in zip(device[1], host[1], strict=True):
+            assert off == off_h and np.array_equal(pos, pos_h)
+        if host[2] is None:
+            assert device[2] is None
+        else:
+            np.testing.assert_allclose(device[2], host[2], rtol=1e-4, atol=1e-4)
+    if window:
+        assert net.make_cache(config=config).layers[0].plan.is_ring
+
+
+def test_stream_generate_greedy_uses_device_argmax(tmp_path, monkeypatch):
+    """A greedy reply (no penalties) takes its tokens from Model.greedy_tokens, gives the
+    tokens the host's sampler does, and leaves a chat's cache where the host path leaves it."""
+    from edgellm.generate import generate_step
+    from edgellm.quants import Q
+    from edgellm.sampling import SamplingParams
+
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q.Q8_0, backend)
+    calls = []
+    real = net.greedy_tokens
+    monkeypatch.setattr(net, "greedy_tokens", lambda *a: calls.append(a) or real(*a))
+    greedy = SamplingParams(temperature=0.0)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                               logit_bias={3: 0.0})  # changes nothing, but is not argmax-only
+    assert greedy.argmax_only and not penalised.argmax_only
+    out = []
+    for params in (greedy, penalised):
+        cache = net.make_cache(64)
+        steps = generate_step([1, 5, 9, 200], net, cache, params)
+        out.append(([next(steps)[0] for _ in range(6)], cache))
+        steps.close()
+    (tokens, cache), (tokens_host, cache_host) = out
+    assert len(calls) == 1 and tokens == tokens_host
+    assert cache.offset == cache_host.offset == 4 + 5
+
+
 def test_triton_path_follows_cpu_torch(tmp_path):
     """The GPU path (packed planes, triton mat-vec for <= 8 tokens, dequantized GEMM tiles
     above, triton norms/RoPE/GLUs), here in triton's interpreter unless there is a GPU,

@@ -25,6 +25,11 @@ predecessor is gone adopts them (its contents copied in), so a benchmark's or a 
 caches do not capture again; a cache whose graph is in use by a live cache gets its own.
 Caches that rotate with sink tokens or store Q8_0, slices that need all logits, and ring
 layers shorter than the slice run eagerly.
+
+Every graph also takes its logits' maximum and argmax, so greedy decoding (``greedy``) needs
+no logits on the host: the next step reads its token from the device, and is queued before
+this step's token is read back (one step ahead), so the host's work for a step (its books,
+the copies, the replay's launch) overlaps the GPU's work on the step before.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,20 +98,43 @@ class _Group:
 
 
 @dataclass
+class _HostSet:
+    """A step's inputs in (pinned) host memory, and its greedy token read back."""
+
+    i64: torch.Tensor  # tokens (B), positions (B), last row (1), slots (B) per group
+    masks: torch.Tensor  # every group's (B, T) mask, flattened and concatenated
+    best_id: torch.Tensor | None = None  # (1,) int64: the argmax read back (greedy steps)
+    best_logit: torch.Tensor | None = None  # (1,) float32: its logit (NaN/inf: a fault)
+    done: torch.cuda.Event | None = None  # recorded after the read-back (on a GPU)
+
+
+@dataclass
 class _Bucket:
     """One captured step size: its static buffers, views of them, its graph and outputs."""
 
     size: int
-    host_i64: torch.Tensor  # tokens (B), positions (B), last row (1), slots (B) per group
-    host_masks: torch.Tensor  # every group's (B, T) mask, flattened and concatenated
+    host: _HostSet  # the set the next step fills
     dev_i64: torch.Tensor
     dev_masks: torch.Tensor
     mask_spans: list  # (start, T, in place) per group
     inputs: tuple | None = None  # (ids, positions, last, layer views)
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # (1, vocab)
+    best_logit: torch.Tensor | None = None  # (1,) the logits' maximum, on the device
+    best_id: torch.Tensor | None = None  # (1,) its index (the first, as numpy's argmax)
     eager: bool = False  # its capture failed: the step runs uncaptured
     host_logits: torch.Tensor | None = None  # pinned copy of the logits
+    spare: _HostSet | None = None  # the other set of greedy steps' double buffering
+
+    def flip(self) -> _HostSet:
+        """Swap in the other host set (made at the first flip): a step queued ahead fills
+        one while the copies of the step before may still read the other."""
+        if self.spare is None:
+            pinned = self.host.i64.is_pinned()
+            self.spare = _HostSet(*(t.clone().pin_memory() if pinned else t.clone()
+                                    for t in (self.host.i64, self.host.masks)))
+        self.host, self.spare = self.spare, self.host
+        return self.host
 
 
 @dataclass
@@ -153,6 +182,7 @@ class StepGraphs:
         self._stream = torch.cuda.Stream(self.backend.device) if self.capture else None
         self.capture_seconds = 0.0  # total time spent capturing (reported apart from speed)
         self.captures = 0
+        self._last_best = None  # the argmax (1,) of the last step queued, on the device
 
     def forward(self, model, tokens: np.ndarray, cache: KVCache) -> np.ndarray | None:
         """Logits (1, vocab) of the last of ``tokens``, as ``model.forward`` returns them;
@@ -162,13 +192,89 @@ class StepGraphs:
         g = self._graph_for(model, cache) if size is not None else None
         if g is None or any(group.ring and n > group.slots for group in g.groups):
             return None  # (a slice longer than a ring: update_and_fetch drops some of it)
-        positions = cache.begin(n)  # ContextOverflow as forward would raise it
+        b = self._launch(model, g, size, cache, tokens)
+        if not self.capture:
+            return b.logits.cpu().numpy()
+        if b.host_logits is None:  # pinned: a DMA straight into it (pageable: staged)
+            b.host_logits = torch.empty(b.logits.shape, dtype=b.logits.dtype, pin_memory=True)
+        b.host_logits.copy_(b.logits, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return b.host_logits.numpy().copy()  # the caller's own (the buffer is reused)
+
+    def greedy(self, model, token: int, cache: KVCache) -> Iterator[tuple[int, float]] | None:
+        """Greedy decoding after ``token`` (not yet in ``cache``): yields each step's argmax
+        and its logit (NaN or inf: the logits were not finite), for ever; None when the
+        cache cannot run as graphs.
+
+        Step t+1 is queued, its token read from step t's argmax on the device, before step
+        t's token is read back, so the cache holds one token more than was yielded until the
+        generator is closed: closing it waits for that step and trims it again. A cache that
+        could not trim it (a ring holding no spare slot) is not run ahead."""
+        g = self._graph_for(model, cache)
+        if g is None:
+            return None
+        return self._greedy_steps(model, g, token, cache)
+
+    def _greedy_steps(self, model, g: _Graph, token: int, cache: KVCache):
+        current = self._greedy_launch(model, g, cache, np.array([token], dtype=np.int64))
+        ahead = None
+        try:
+            while True:
+                # (fits(2): the last free slot is left to a token read back, so a caller that
+                # stops when the cache cannot take one more stops where it would without this)
+                if cache.fits(2) and cache.max_trim() >= 1:
+                    ahead = self._greedy_launch(model, g, cache, None)
+                token, logit = self._read_back(current)
+                yield token, logit
+                if ahead is None:
+                    ahead = self._greedy_launch(model, g, cache, np.array([token]))
+                current, ahead = ahead, None
+        finally:
+            if ahead is not None:  # queued but never yielded
+                self._read_back(ahead)
+                cache.trim(1)
+
+    def _greedy_launch(self, model, g: _Graph, cache: KVCache,
+                       tokens: np.ndarray | None) -> _HostSet:
+        """Queue one decode step (its token from the host, or None: the previous step's
+        argmax on the device) and the read-back of its argmax; the host set to read."""
+        chained = tokens is None
+        b = self._launch(model, g, 1, cache, np.zeros(1, np.int64) if chained else tokens,
+                         from_device=chained, flip=True)
+        host = b.host
+        if host.best_id is None:
+            pin = self.capture
+            host.best_id = torch.empty(1, dtype=torch.int64, pin_memory=pin)
+            host.best_logit = torch.empty(1, dtype=torch.float32, pin_memory=pin)
+        host.best_id.copy_(b.best_id, non_blocking=True)
+        host.best_logit.copy_(b.best_logit, non_blocking=True)
+        if self.capture:
+            host.done = torch.cuda.Event()
+            host.done.record()
+        return host
+
+    @staticmethod
+    def _read_back(host: _HostSet) -> tuple[int, float]:
+        if host.done is not None:
+            host.done.synchronize()
+        return int(host.best_id[0]), float(host.best_logit[0])
+
+    def _launch(self, model, g: _Graph, size: int, cache: KVCache, tokens: np.ndarray,
+                from_device: bool = False, flip: bool = False) -> _Bucket:
+        """Book ``tokens`` in the cache and queue their step in bucket ``size`` (captured at
+        its first use); ``from_device``: the first token is the previous step's argmax.
+        ``flip``: fill the bucket's other host set (greedy steps run one step ahead)."""
+        positions = cache.begin(len(tokens))  # ContextOverflow as forward would raise it
         b = g.buckets.get(size)
         if b is None:
             b = g.buckets[size] = self._new_bucket(g, size)
+        if flip:
+            b.flip()
         self._advance(g, b, cache, tokens, positions)
-        b.dev_i64.copy_(b.host_i64, non_blocking=True)
-        b.dev_masks.copy_(b.host_masks, non_blocking=True)
+        b.dev_i64.copy_(b.host.i64, non_blocking=True)
+        b.dev_masks.copy_(b.host.masks, non_blocking=True)
+        if from_device:  # stream-ordered after the step that computed it
+            b.dev_i64[:1].copy_(self._last_best)
         if b.inputs is None:
             b.inputs = self._inputs(g, b)
         if self.capture and b.graph is None and not b.eager:
@@ -183,13 +289,9 @@ class StepGraphs:
         else:
             self.backend._rope_memo = (None, {})  # same positions tensor, new values
             b.logits = _step(model, *b.inputs)
-        if not self.capture:
-            return b.logits.cpu().numpy()
-        if b.host_logits is None:  # pinned: a DMA straight into it (pageable: staged)
-            b.host_logits = torch.empty(b.logits.shape, dtype=b.logits.dtype, pin_memory=True)
-        b.host_logits.copy_(b.logits, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        return b.host_logits.numpy().copy()  # the caller's own (the buffer is reused)
+            b.best_logit, b.best_id = _greedy(b.logits)
+        self._last_best = b.best_id
+        return b
 
     # -- host books ------------------------------------------------------------------------
     def _advance(self, g: _Graph, b: _Bucket, cache: KVCache, tokens: np.ndarray,
@@ -197,8 +299,8 @@ class StepGraphs:
         """What update_and_fetch does on the host for these tokens, once per layout; the
         pads (rows n..B) repeat the last token and position and write the spare row."""
         n, size = len(tokens), b.size
-        i64 = b.host_i64.numpy()
-        masks = b.host_masks.numpy()
+        i64 = b.host.i64.numpy()
+        masks = b.host.masks.numpy()
         i64[:n], i64[n:size] = tokens, tokens[-1]
         i64[size:size + n], i64[size + n:2 * size] = positions, positions[-1]
         i64[2 * size] = n - 1
@@ -280,7 +382,8 @@ class StepGraphs:
         if self.capture:  # pinned: copied to the device without a stall
             host_i64, host_masks = host_i64.pin_memory(), host_masks.pin_memory()
         dev = self.backend.device
-        return _Bucket(size, host_i64, host_masks, host_i64.to(dev), host_masks.to(dev), spans)
+        return _Bucket(size, _HostSet(host_i64, host_masks), host_i64.to(dev),
+                       host_masks.to(dev), spans)
 
     def _inputs(self, g: _Graph, b: _Bucket) -> tuple:
         """(ids (B,), positions (B,), last (1,), per-layer views) over b's device buffers."""
@@ -311,6 +414,7 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=side):
             b.logits = _step(model, *b.inputs)
+            b.best_logit, b.best_id = _greedy(b.logits)
         self.backend._rope_memo = (None, {})
         b.graph = graph
         torch.cuda.synchronize()
@@ -335,3 +439,10 @@ def _step(model, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
     if model.args.final_logit_softcap:
         logits = B.softcap(logits, model.args.final_logit_softcap)
     return logits
+
+
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The maximum logit (1,) and its index (1,) of logits (1, vocab) in one reduction: the
+    first index among equal maxima, as numpy's argmax; a NaN wins and shows in the value."""
+    best, index = logits[0].max(-1, keepdim=True)
+    return best.float(), index

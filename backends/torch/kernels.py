@@ -364,6 +364,89 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HD: tl.constexpr, HALF: tl
 
 
 @triton.jit
+def _rope_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, H, KVH,
+                    eps, HD: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+                    NORM: tl.constexpr):
+    """One head of q (n, H, HD) or k (n, KVH, HD) (programs (n, H + KVH)): RMS-normalised
+    by its weights first (NORM: as _rms_norm_kernel over the head), then rotated as
+    _rope_kernel rotates it; the same arithmetic, so the same bits as the two launches."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if head < H:
+        src = q_ptr + (tok * H + head) * HD
+        dst = qo_ptr + (tok * H + head) * HD
+        w_ptr = qw_ptr
+    else:
+        src = k_ptr + (tok * KVH + head - H) * HD
+        dst = ko_ptr + (tok * KVH + head - H) * HD
+        w_ptr = kw_ptr
+    p = tl.arange(0, HALF)
+    if NEOX:
+        ia = p
+        ib = p + HALF
+    else:
+        ia = 2 * p
+        ib = 2 * p + 1
+    a = tl.load(src + ia)
+    b = tl.load(src + ib)
+    if NORM:
+        j = tl.arange(0, HD)
+        x = tl.load(src + j)
+        r = tl.sqrt_rn(tl.sum(x * x, axis=0) / HD + eps)
+        a = a / r * tl.load(w_ptr + ia)
+        b = b / r * tl.load(w_ptr + ib)
+    cos = tl.load(cos_ptr + tok * HALF + p)
+    sin = tl.load(sin_ptr + tok * HALF + p)
+    tl.store(dst + ia, a * cos - b * sin)
+    tl.store(dst + ib, a * sin + b * cos)
+
+
+@triton.jit
+def _residual_kernel(x_ptr, h_ptr, hw_ptr, w_ptr, sum_ptr, out_ptr, q32_ptr, d32_ptr,
+                     q256_ptr, d256_ptr, K, KP, eps, POST: tl.constexpr, NORM: tl.constexpr,
+                     QUANT: tl.constexpr, ROW: tl.constexpr, K256: tl.constexpr):
+    """x + h (h RMS-normalised by hw first: POST) over 256 values of a row, and (NORM) the
+    sum RMS-normalised by w, and (QUANT) its 8-bit blocks as _then_q8_kernel writes them.
+    Each mean square is summed over the whole row as _rms_norm_kernel sums it (same bits as
+    the separate launches)."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * 256 + tl.arange(0, 256)
+    ok = j < K
+    jr = tl.arange(0, ROW)
+    okr = jr < K
+    x = tl.load(x_ptr + row * K + j, mask=ok, other=0.0)
+    h = tl.load(h_ptr + row * K + j, mask=ok, other=0.0)
+    if POST or NORM:
+        hr = tl.load(h_ptr + row * K + jr, mask=okr, other=0.0)
+    if POST:
+        rh = tl.sqrt_rn(tl.sum(hr * hr, axis=0) / K + eps)
+        h = h / rh * tl.load(hw_ptr + j, mask=ok, other=0.0)
+    s = x + h
+    tl.store(sum_ptr + row * K + j, s, mask=ok)
+    if NORM:
+        if POST:
+            hr = hr / rh * tl.load(hw_ptr + jr, mask=okr, other=0.0)
+        sr = tl.load(x_ptr + row * K + jr, mask=okr, other=0.0) + hr
+        y = s / tl.sqrt_rn(tl.sum(sr * sr, axis=0) / K + eps) * tl.load(w_ptr + j, mask=ok,
+                                                                          other=0.0)
+        tl.store(out_ptr + row * K + j, y, mask=ok)
+        if QUANT:
+            inside = j < KP
+            q32, d32 = _block_q8(tl.reshape(y, (8, 32)), tl.arange(0, 32)[None, :], 32, False)
+            tl.store(q32_ptr + row * KP + j, tl.reshape(q32, (256,)).to(tl.int8), mask=inside)
+            g = tl.program_id(1) * 8 + tl.arange(0, 8)
+            tl.store(d32_ptr + row * (KP // 32) + g, d32, mask=g < KP // 32)
+            if K256:
+                q, d = _block_q8(tl.reshape(y, (1, 256)), tl.arange(0, 256)[None, :], 256,
+                                 True)
+                tl.store(q256_ptr + row * KP + j, tl.reshape(q, (256,)).to(tl.int8),
+                         mask=inside)
+                tl.store(d256_ptr + row * (KP // 32) + g,
+                         tl.zeros_like(g.to(tl.float32)) + tl.sum(d, axis=0),
+                         mask=g < KP // 32)
+
+
+@triton.jit
 def _glu_kernel(g_ptr, u_ptr, out_ptr, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -659,6 +742,51 @@ def rope(x, cos, sin, neox: bool):
     out = torch.empty_like(x)
     _rope_kernel[(n, H)](x, cos, sin, out, H, HD=hd, HALF=hd // 2, NEOX=neox, num_warps=1)
     return out
+
+
+def rope_qk(q, k, cos, sin, neox: bool, norms: tuple | None = None):
+    """q (n, H, hd), k (n, KVH, hd) f32 contiguous, each head RMS-normalised first where
+    ``norms`` = (q weight, k weight, eps), rotated by cos/sin (n, hd/2): one launch."""
+    import torch
+
+    n, H, hd = q.shape
+    kvh = k.shape[1]
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    qw, kw, eps = norms if norms is not None else (q, k, 0.0)  # (unread without NORM)
+    _rope_qk_kernel[(n, H + kvh)](q, k, qw, kw, cos, sin, qo, ko, H, kvh, eps, HD=hd,
+                                  HALF=hd // 2, NEOX=neox, NORM=norms is not None, num_warps=1)
+    return qo, ko
+
+
+def residual(x, h, eps: float, h_norm=None, out_norm=None, quantize: bool = False):
+    """x + h (h RMS-normalised by h_norm first, where given) of (n, K) f32 contiguous
+    tensors, and the sum RMS-normalised by out_norm (where given), with its 8-bit blocks as
+    ``then_quantize`` gives them (``quantize``), in one launch: (sum, normed or None,
+    blocks or None)."""
+    import torch
+
+    n, K = x.shape
+    padded = triton.cdiv(K, CHUNK) * CHUNK
+    total = torch.empty_like(x)
+    out = torch.empty_like(x) if out_norm is not None else total
+    quantize = quantize and out_norm is not None
+    blocks = {}
+    if quantize:
+        for block in (32, 256) if K % 256 == 0 else (32,):
+            blocks[block] = (torch.empty((n, padded), dtype=torch.int8, device=x.device),
+                             torch.empty((n, padded // 32), dtype=torch.float32,
+                                         device=x.device))
+    q32, d32 = blocks.get(32, (total, total))  # (unwritten without QUANT)
+    q256, d256 = blocks.get(256, (q32, d32))
+    # the row's width as the norms' own launches sum it (same reduction, same bits)
+    _residual_kernel[(n, triton.cdiv(padded if quantize else K, 256))](
+        x, h, h if h_norm is None else h_norm, x if out_norm is None else out_norm, total,
+        out, q32, d32, q256, d256, K, padded, eps, POST=h_norm is not None,
+        NORM=out_norm is not None, QUANT=quantize, ROW=triton.next_power_of_2(K),
+        K256=256 in blocks, num_warps=4 if K >= 1024 else 1)
+    normed = out if out_norm is not None else None
+    return total, normed, ({b: (q.view(torch.int32), d) for b, (q, d) in blocks.items()}
+                           if quantize else None)
 
 
 def glu(gate, up, gelu: bool):

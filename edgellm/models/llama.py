@@ -6,7 +6,8 @@ RoPE here rotates pairs (x[2i], x[2i+1]). Qwen2 subclasses this with half-split 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -222,6 +223,38 @@ class Model:
             logits = B.softcap(logits, self.args.final_logit_softcap)
         return B.to_numpy(logits)
 
+    def greedy_tokens(self, token: int, cache: KVCache) -> Iterator[int]:
+        """Greedy decoding after ``token`` (the last token, not yet in ``cache``): each
+        step's argmax, for ever; the same tokens as ``forward`` and an argmax of its logits.
+
+        A backend that replays graphs (``backend.graphs``) takes the argmax on the device
+        and queues each step before the token of the one before is read back, so the cache
+        runs one token ahead of what was yielded until the generator is closed (``close()``
+        or dropping it), which takes that token back out. Raises ``NonFiniteLogits`` when a
+        step's maximum logit is NaN or +inf (a NaN anywhere is the maximum of an argmax).
+        """
+        from edgellm.generate import non_finite  # (edgellm.generate imports the models)
+
+        graphs = getattr(self.backend, "graphs", None)
+        steps = graphs.greedy(self, token, cache) if graphs is not None else None
+        if steps is None:
+            steps = self._greedy_on_host(token, cache)
+        try:
+            for step, (token, best) in enumerate(steps, 1):
+                if not math.isfinite(best):
+                    raise non_finite(step)
+                yield token
+        finally:
+            steps.close()  # graphs: waits for the step queued ahead and trims it
+
+    def _greedy_on_host(self, token: int, cache: KVCache) -> Iterator[tuple[int, float]]:
+        """(argmax, its logit) per step from the logits on the host. numpy's argmax picks a
+        NaN or +inf where there is one, so the logit shows a fault as the device's does."""
+        while True:
+            logits = self.forward(np.array([token]), cache)[0]
+            token = int(logits.argmax())
+            yield token, float(logits[token])
+
     def forward_batch(self, batch: Sequence[tuple[np.ndarray, KVCache]],
                       want_logits: Sequence[bool] | None = None) -> list[np.ndarray | None]:
         """One pass over several sequences' new tokens, each against its own cache.
@@ -329,13 +362,9 @@ class Model:
         output (one sequence's cache, or each sequence of a batch against its own)."""
         B, eps = self.backend, self.args.norm_eps
         h = attend(B.rms_norm(x, block.attn_norm, eps))
-        if block.post_attn_norm is not None:
-            h = B.rms_norm(h, block.post_attn_norm, eps)
-        x = x + h
-        h = self.mlp(block, B.rms_norm(x, block.ffn_norm, eps))
-        if block.post_ffn_norm is not None:
-            h = B.rms_norm(h, block.post_ffn_norm, eps)
-        return x + h
+        x, normed = B.residual(x, h, eps, block.post_attn_norm, block.ffn_norm)
+        h = self.mlp(block, normed)
+        return B.residual(x, h, eps, block.post_ffn_norm)[0]
 
     def attention(self, i: int, w: AttentionWeights, x, positions: np.ndarray,
                   layer_cache: LayerCache):
@@ -357,12 +386,10 @@ class Model:
         q = q.reshape(n, a.n_heads, a.head_dim)
         k = k.reshape(n, a.n_kv_heads, a.head_dim)
         v = v.reshape(n, a.n_kv_heads, a.head_dim)
-        if w.q_norm is not None:
-            q = B.rms_norm(q, w.q_norm, a.norm_eps)
-            k = B.rms_norm(k, w.k_norm, a.norm_eps)
+        norms = (w.q_norm, w.k_norm, a.norm_eps) if w.q_norm is not None else None
         theta, freq_scale = self.layer_rope(i)
-        q = B.rope(q, positions, theta, self.rope_neox, self.rope_freqs, freq_scale)
-        k = B.rope(k, positions, theta, self.rope_neox, self.rope_freqs, freq_scale)
+        q, k = B.rope_qk(q, k, positions, theta, self.rope_neox, self.rope_freqs, freq_scale,
+                         norms)
         return q, k, v
 
     def mlp(self, block: Block, x):

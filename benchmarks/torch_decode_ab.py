@@ -1,0 +1,79 @@
+"""Decode on the torch backend (CUDA graphs) three ways, interleaved in one process:
+
+- ``host``: ``forward`` then the argmax on the host (the logits copied back every step:
+  the loop ``edgellm bench`` ran before ``Model.greedy_tokens``);
+- ``device``: ``Model.greedy_tokens`` (the argmax on the device, each step queued before
+  the token of the one before is read back);
+- ``replay``: the decode graph replayed back to back, timed with CUDA events (the GPU's
+  own time per step: what neither loop can beat).
+
+    python benchmarks/torch_decode_ab.py MODEL.gguf [--steps 128] [--rounds 3]
+
+Run it under EDGELLM_FUSE_LAUNCHES=0 and =1 (alternating processes) to see the launch
+fusions' share. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import edgellm
+
+
+def _host(net, cache, steps: int, token: int) -> None:
+    for _ in range(steps):
+        token = int(net.forward(np.array([token]), cache)[0].argmax())
+
+
+def _device(net, cache, steps: int, token: int) -> None:
+    tokens = net.greedy_tokens(token, cache)
+    for _ in range(steps):
+        next(tokens)
+    tokens.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("model")
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    model = edgellm.load(args.model, backend="torch")
+    net = model.net
+    runs = {"host": _host, "device": _device}
+    for run in runs.values():  # warm-up: captures, compiles
+        run(net, model.make_cache(args.steps + 16), 8, 100)
+    torch.cuda.synchronize()
+    rates: dict[str, list[float]] = {name: [] for name in (*runs, "replay")}
+    graphs = model.backend.graphs
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            cache = model.make_cache(args.steps + 16)
+            start = time.perf_counter()
+            run(net, cache, args.steps, 100)
+            torch.cuda.synchronize()
+            rates[name].append(args.steps / (time.perf_counter() - start))
+        layouts = graphs._graphs[id(net)]
+        replay = next(g for g in layouts if 1 in g.buckets).buckets[1].graph
+        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        begin.record()
+        for _ in range(args.steps):
+            replay.replay()
+        end.record()
+        torch.cuda.synchronize()
+        rates["replay"].append(1e3 * args.steps / begin.elapsed_time(end))
+    fuse = os.environ.get("EDGELLM_FUSE_LAUNCHES", "1")
+    print(f"{os.path.basename(args.model)} fuse_launches={fuse}: " + ", ".join(
+        f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
+        for name, r in rates.items()))
+
+
+if __name__ == "__main__":
+    main()
