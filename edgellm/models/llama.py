@@ -361,10 +361,10 @@ class Model:
         """The block's two residual sublayers; ``attend`` maps the normed x to attention's
         output (one sequence's cache, or each sequence of a batch against its own)."""
         B, eps = self.backend, self.args.norm_eps
-        h = attend(B.rms_norm(x, block.attn_norm, eps))
-        x, normed = B.residual(x, h, eps, block.post_attn_norm, block.ffn_norm)
-        h = self.mlp(block, normed)
-        return B.residual(x, h, eps, block.post_ffn_norm)[0]
+        # (each sublayer's output passed straight in: no name keeps it alive past its norm)
+        x, normed = B.residual(x, attend(B.rms_norm(x, block.attn_norm, eps)), eps,
+                               block.post_attn_norm, block.ffn_norm)
+        return B.residual(x, self.mlp(block, normed), eps, block.post_ffn_norm)[0]
 
     def attention(self, i: int, w: AttentionWeights, x, positions: np.ndarray,
                   layer_cache: LayerCache):
