@@ -176,24 +176,25 @@ class Backend(ABC):
             parts.append((keys[:slot + 1], values[:slot + 1], mask))
         return self.attention_batch(q, parts, scale, softcap)
 
-    # -- a decode step's whole block (optional) ---------------------------------------------
+    # -- a decode step's blocks in one call (optional) --------------------------------------
     def prepare_decode_block(self, block: Any, shape: BlockShape) -> Any | None:
         """``block``'s weights (a model Block: norms, attention and MLP matrices) made ready
-        for ``decode_block``, or None where this backend runs the block op by op (the
+        for ``decode_blocks``, or None where this backend runs the block op by op (the
         default)."""
         return None
 
-    def decode_block(self, plan: Any, x: Array, positions: np.ndarray,
-                     rope: tuple[float, float, np.ndarray | None],
-                     stores: Sequence[tuple[Array, Array]],
-                     claim: Callable[[], tuple[list[int], list[int]]]) -> Array | None:
-        """One decode step of a block whose ``prepare_decode_block`` gave ``plan``: x (N, d)
-        holds one new token of each of N sequences, at ``positions``; ``rope`` is (theta,
-        freq_scale, freq_factors); ``stores`` each sequence's (keys, values) storage.
-        ``claim()`` books each sequence's slot and returns (slots, firsts) as
-        ``attention_append`` takes them; it is called once, only when the block will run.
-        -> x after the block, the op path's result to the bit; None (nothing claimed or
-        written) where this step cannot run this way."""
+    def decode_blocks(self, plans: Sequence[Any], x: Array, positions: np.ndarray,
+                      ropes: Sequence[tuple[float, float, np.ndarray | None]],
+                      stores: Sequence[Sequence[tuple[Array, Array]]],
+                      claim: Callable[[], tuple[list[int], list[int]]]) -> Array | None:
+        """One decode step of consecutive blocks whose ``prepare_decode_block`` gave
+        ``plans``: x (N, d) holds one new token of each of N sequences, at ``positions``;
+        per block, ``ropes`` has its (theta, freq_scale, freq_factors) and ``stores`` each
+        sequence's (keys, values) storage. ``claim()`` books every block's slot of every
+        sequence and returns (slots, firsts), block-major, as ``attention_append`` takes
+        them; it is called once, only when the blocks will run. -> x after the last block,
+        the op path's result to the bit; None (nothing claimed or written) where this step
+        cannot run this way."""
         return None
 
     @abstractmethod

@@ -6,7 +6,9 @@
  * arguments and in the same order as backends/cpu/backend.py's ops do for one block, so the
  * result is the op path's to the bit: norm, fused Q/K/V (+ biases), per-head Q/K norms, RoPE,
  * the KV store and attention (ek_attention_f16_append), the output projection, the optional
- * post-norm, the residual, then the MLP the same way.
+ * post-norm, the residual, then the MLP the same way. ek_decode_blocks runs consecutive blocks
+ * in one call: the ~10 us of Python per block call, 24-28 times a token, were 2-4% of a
+ * small model's decode step.
  */
 
 typedef struct {
@@ -82,5 +84,21 @@ int ek_decode_block(const block_t *b, float *x, int n, uint16_t *const *kc, uint
     if (status) return status;
     if (b->post_ffn_norm) ek_rms_norm(h, b->post_ffn_norm, h, n, d, b->eps);
     add_rows(x, h, (int64_t)n * d);
+    return 0;
+}
+
+/* Blocks b[0..n_blocks) one after the other over x, each as ek_decode_block runs it: kc, vc,
+ * slot and lo hold n entries per block (block-major), cos/sin and attn_threads one per block,
+ * scratch what the largest block needs. 0, or the first error (earlier blocks stay done). */
+int ek_decode_blocks(const block_t *const *b, int n_blocks, float *x, int n,
+                     uint16_t *const *kc, uint16_t *const *vc, const int *slot, const int *lo,
+                     const float *const *cos, const float *const *sin, float *scratch,
+                     int nthreads, const int *attn_threads) {
+    for (int l = 0; l < n_blocks; l++) {
+        const int64_t at = (int64_t)l * n;
+        int status = ek_decode_block(b[l], x, n, kc + at, vc + at, slot + at, lo + at, cos[l],
+                                     sin[l], scratch, nthreads, attn_threads[l]);
+        if (status) return status;
+    }
     return 0;
 }

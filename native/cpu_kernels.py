@@ -84,6 +84,10 @@ typedef struct {
 int ek_decode_block(const block_t *b, float *x, int n, uint16_t *const *kc, uint16_t *const *vc,
                     const int *slot, const int *lo, const float *cos, const float *sin,
                     float *scratch, int nthreads, int attn_threads);
+int ek_decode_blocks(const block_t *const *b, int n_blocks, float *x, int n,
+                     uint16_t *const *kc, uint16_t *const *vc, const int *slot, const int *lo,
+                     const float *const *cos, const float *const *sin, float *scratch,
+                     int nthreads, const int *attn_threads);
 """
 
 #: instruction-set variant -> (cpuinfo flags it needs, compiler flags)

@@ -1,5 +1,6 @@
-"""A decode step's block in one backend call (``decode_block``) against the op path: the same
-logits to the bit, alone and batched, and the op path wherever the fused call cannot run."""
+"""A decode step's blocks in one backend call (``decode_blocks``) against the op path: the same
+logits to the bit, alone and batched, and the op path wherever the fused call cannot run
+(every block, or some: ring layers that wrapped between global ones)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,46 @@ def test_a_llama_block_and_the_fallbacks(tmp_path):
         assert all(plan is not None for plan in net.block_plans)
         assert_fused_is_op_path(net)
         calls = []
-        decode = net.backend.decode_block
-        net.backend.decode_block = lambda *a: calls.append(decode(*a)) or calls[-1]
+        decode = net.backend.decode_blocks
+        net.backend.decode_blocks = lambda *a: calls.append(decode(*a)) or calls[-1]
         assert_fused_is_op_path(net, kv_dtype="float32")
         assert calls and all(result is None for result in calls)
+
+
+def test_runs_of_fused_blocks_between_wrapped_rings(tmp_path):
+    """Layers 0, 2 and 3 windowed (rings of 6 + reserve), layer 1 global: before the rings
+    wrap all four blocks go in one call; after, only the global one fuses (a run of one
+    between op-path blocks), then none. The logits stay the op path's to the bit."""
+    from dataclasses import replace
+
+    from edgellm.cache import CacheConfig
+
+    path = write_tiny_llama(tmp_path / "tiny4.gguf",
+                            TinyConfig(d_model=128, d_ff=256, n_layers=4,
+                                       qtype=GGMLQuantizationType.Q8_0))
+    with edgellm.load(path, backend="cpu") as model:
+        net = model.net
+        if net.backend.native is None or not net.backend.packing:
+            pytest.skip("no packing C build here")
+        net.args = replace(net.args, sliding_window=6)
+        net.layer_window = lambda i: 0 if i == 1 else 6
+        runs = []
+        decode = net.backend.decode_blocks
+        net.backend.decode_blocks = lambda plans, *a: runs.append(len(plans)) or decode(plans,
+                                                                                        *a)
+
+        def logits(fused: bool):
+            plans = net.block_plans
+            net._block_plans = plans if fused else [None] * len(plans)
+            try:
+                cache = net.make_cache(config=CacheConfig(max_tokens=64, reserve=4))
+                assert cache.layers[0].plan.is_ring and not cache.layers[1].plan.is_ring
+                out = [net.forward(np.array([1, 2, 3]), cache)]
+                out += [net.forward(np.array([(7 * i) % 250]), cache) for i in range(14)]
+                return np.concatenate(out)
+            finally:
+                net._block_plans = plans
+
+        fused, ops = logits(True), logits(False)
+        assert np.array_equal(fused.view(np.uint32), ops.view(np.uint32))
+        assert 4 in runs and 1 in runs  # all four at first; the global one alone after

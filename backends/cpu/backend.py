@@ -688,26 +688,40 @@ class CpuBackend(NumpyBackend):
         scratch = 2 * d + (qd + 2 * kvd) + (qd + kvd) + qd + 3 * ffn
         return _BlockPlan(desc, keep, shape, scratch)
 
-    def decode_block(self, plan, x, positions, rope, stores, claim):
-        """The block in one C call (native/cpu_block.c): the op path's kernels, in its order,
+    def decode_blocks(self, plans, x, positions, ropes, stores, claim):
+        """The blocks in one C call (native/cpu_block.c): the op path's kernels, in its order,
         on the same arguments."""
         x = np.array(x, dtype=np.float32, order="C", copy=True)  # (n, d), updated in place
-        n, shape = x.shape[0], plan.shape
-        if (n > MATVEC_MAX_TOKENS or x.shape[1] != plan.width or len(stores) != n
-                or not all(a.dtype == np.float16 for pair in stores for a in pair)):
+        n, width = x.shape
+        if n > MATVEC_MAX_TOKENS or any(p.width != width for p in plans):
             return None
-        theta, freq_scale, freq_factors = rope
-        cos, sin = self._rope_tables(np.asarray(positions), shape.head_dim, theta, freq_factors,
-                                     freq_scale)  # (n, hd/2) each
-        slots, firsts = claim()
-        macs = sum(slot + 1 for slot in slots) * shape.n_heads * shape.head_dim
-        scratch = np.empty(n * plan.scratch_floats, dtype=np.float32)
+        for per_block in stores:
+            if len(per_block) != n:
+                return None
+            for keys, values in per_block:
+                if keys.dtype != np.float16 or values.dtype != np.float16:
+                    return None
         f = self.native.ffi.from_buffer
-        status = self.native.lib.ek_decode_block(
-            plan.desc, f("float[]", x), n, [f("uint16_t[]", keys) for keys, _ in stores],
-            [f("uint16_t[]", values) for _, values in stores], slots, firsts,
-            f("float[]", cos), f("float[]", sin), f("float[]", scratch), self.threads,
-            self.threads if macs >= ATTENTION_THREADS_MIN_MACS else 1)
+        positions = np.asarray(positions)
+        tables, cos, sin = {}, [], []
+        for plan, (theta, freq_scale, freq_factors) in zip(plans, ropes, strict=True):
+            key = (plan.shape.head_dim, theta, freq_scale, id(freq_factors))
+            if key not in tables:  # (n, hd/2) each: one or two RoPE bases a model
+                c, sn = self._rope_tables(positions, plan.shape.head_dim, theta, freq_factors,
+                                          freq_scale)
+                tables[key] = (f("float[]", c), f("float[]", sn))
+            cos.append(tables[key][0])
+            sin.append(tables[key][1])
+        slots, firsts = claim()
+        macs = [sum(slot + 1 for slot in slots[b * n:(b + 1) * n])
+                * plan.shape.n_heads * plan.shape.head_dim for b, plan in enumerate(plans)]
+        attn_threads = [self.threads if m >= ATTENTION_THREADS_MIN_MACS else 1 for m in macs]
+        scratch = np.empty(n * max(p.scratch_floats for p in plans), dtype=np.float32)
+        status = self.native.lib.ek_decode_blocks(
+            [p.desc for p in plans], len(plans), f("float[]", x), n,
+            [f("uint16_t[]", keys) for per_block in stores for keys, _ in per_block],
+            [f("uint16_t[]", values) for per_block in stores for _, values in per_block],
+            slots, firsts, cos, sin, f("float[]", scratch), self.threads, attn_threads)
         if status != 0:
             raise MemoryError("no memory for a decode step's activations")
         return x

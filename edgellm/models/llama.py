@@ -33,6 +33,16 @@ from edgellm.converters.gguf_reader import QTensor
 PREFILL_CHUNK = 512
 
 
+def claim_runs(layer_lists: Sequence[Sequence[LayerCache]]) -> tuple[list[int], list[int]]:
+    """``claim_slots`` for each block's layer caches: slots and firsts, block-major."""
+    slots, firsts = [], []
+    for layers in layer_lists:
+        s, f = claim_slots(layers)
+        slots += s
+        firsts += f
+    return slots, firsts
+
+
 def claim_slots(layers: Sequence[LayerCache]) -> tuple[list[int], list[int]]:
     """Book the next token of each layer cache (``LayerCache.claim_one``): each one's slot
     and the first slot its query sees, as ``Backend.attention_append`` takes them."""
@@ -212,9 +222,14 @@ class Model:
         x = B.embed(self.tok_embd, tokens)  # (n, d)
         if self.embed_scale != 1.0:
             x = B.scale(x, self.embed_scale)
-        for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers, strict=True)):
-            y = self.decode_block(i, x, positions, [layer_cache]) if len(tokens) == 1 else None
-            x = y if y is not None else self.block_forward(i, block, x, positions, layer_cache)
+        def op_block(i: int, x):
+            return self.block_forward(i, self.blocks[i], x, positions, cache.layers[i])
+
+        if len(tokens) == 1:
+            x = self.decode_blocks(x, positions, [[layer] for layer in cache.layers], op_block)
+        else:
+            for i in range(len(self.blocks)):
+                x = op_block(i, x)
         if not all_logits:
             x = x[-1:]
         x = B.rms_norm(x, self.output_norm, self.args.norm_eps)
@@ -288,15 +303,18 @@ class Model:
         x = B.embed(self.tok_embd, np.concatenate(tokens))  # (N, d)
         if self.embed_scale != 1.0:
             x = B.scale(x, self.embed_scale)
-        decode = len(positions) == len(caches)  # one token a sequence
-        for i, block in enumerate(self.blocks):
-            layers = [c.layers[i] for c in caches]
-            y = self.decode_block(i, x, positions, layers) if decode else None
-            if y is None:
-                attend = partial(self._attention_batch, i, block.attn, positions=positions,
-                                 bounds=bounds, layers=layers)
-                y = self.sublayers(block, x, attend)
-            x = y
+        layer_lists = [[c.layers[i] for c in caches] for i in range(len(self.blocks))]
+
+        def op_block(i: int, x):
+            attend = partial(self._attention_batch, i, self.blocks[i].attn, positions=positions,
+                             bounds=bounds, layers=layer_lists[i])
+            return self.sublayers(self.blocks[i], x, attend)
+
+        if len(positions) == len(caches):  # one token a sequence
+            x = self.decode_blocks(x, positions, layer_lists, op_block)
+        else:
+            for i in range(len(self.blocks)):
+                x = op_block(i, x)
         rows = [int(bounds[j + 1]) - 1 for j in range(len(batch)) if want[j]]
         if not rows:
             return [None] * len(batch)
@@ -338,18 +356,37 @@ class Model:
             q, k, v, [layer.store.read() for layer in layers], slots, firsts,
             self.attention_scale(), self.args.attn_logit_softcap)
 
-    def decode_block(self, i: int, x, positions: np.ndarray, layers: list[LayerCache]):
-        """Block i of a decode step (x (N, d): one token of each of N sequences, each with its
-        layer cache) in one backend call, or None where the backend or a cache takes the op
-        path (nothing touched then). The result is the op path's to the bit."""
-        plan = self.block_plans[i]
-        if plan is None or not all(layer.takes_one() for layer in layers):
-            return None
-        theta, freq_scale = self.layer_rope(i)
-        return self.backend.decode_block(plan, x, positions,
-                                         (theta, freq_scale, self.rope_freqs),
-                                         [layer.store.read() for layer in layers],
-                                         partial(claim_slots, layers))
+    def decode_blocks(self, x, positions: np.ndarray, layer_lists: list[list[LayerCache]],
+                      op_block: Callable[[int, Any], Any]):
+        """x (N, d: one token of each of N sequences) after every block of a decode step.
+        Each run of consecutive blocks that the backend takes (a plan, every sequence's layer
+        cache on the one-token path) goes to the backend in one call; the other blocks, and a
+        run the backend declines (nothing touched then), through ``op_block(i, x)``. The
+        result is the op path's to the bit."""
+        plans, count = self.block_plans, len(self.blocks)
+        i = 0
+        while i < count:
+            end = i
+            while end < count and plans[end] is not None and all(
+                    layer.takes_one() for layer in layer_lists[end]):
+                end += 1
+            y = self._decode_run(i, end, x, positions, layer_lists) if end > i else None
+            if y is None:
+                for j in range(i, max(end, i + 1)):
+                    x = op_block(j, x)
+                end = max(end, i + 1)
+            else:
+                x = y
+            i = end
+        return x
+
+    def _decode_run(self, start: int, end: int, x, positions: np.ndarray,
+                    layer_lists: list[list[LayerCache]]):
+        """Blocks start..end-1 in one backend call (``Backend.decode_blocks``), or None."""
+        ropes = [(*self.layer_rope(i), self.rope_freqs) for i in range(start, end)]
+        stores = [[layer.store.read() for layer in layer_lists[i]] for i in range(start, end)]
+        return self.backend.decode_blocks(self.block_plans[start:end], x, positions, ropes,
+                                          stores, partial(claim_runs, layer_lists[start:end]))
 
     def block_forward(self, i: int, block: Block, x, positions: np.ndarray,
                       layer_cache: LayerCache):
