@@ -342,6 +342,20 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _rope_pairs(HALF: tl.constexpr, NEOX: tl.constexpr):
+    """The element indices (ia, ib) of a head's rotated pairs: its halves (NEOX) or adjacent
+    elements (ggml's NORM mode)."""
+    p = tl.arange(0, HALF)
+    if NEOX:
+        ia = p
+        ib = p + HALF
+    else:
+        ia = 2 * p
+        ib = 2 * p + 1
+    return ia, ib
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HD: tl.constexpr, HALF: tl.constexpr,
                  NEOX: tl.constexpr):
     """x (n, H, HD) rotated by the angles of its token: cos/sin (n, HD/2)."""
@@ -351,12 +365,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HD: tl.constexpr, HALF: tl
     cos = tl.load(cos_ptr + tok * HALF + p)
     sin = tl.load(sin_ptr + tok * HALF + p)
     base = (tok * H + head) * HD
-    if NEOX:
-        ia = p
-        ib = p + HALF
-    else:
-        ia = 2 * p
-        ib = 2 * p + 1
+    ia, ib = _rope_pairs(HALF, NEOX)
     a = tl.load(x_ptr + base + ia)
     b = tl.load(x_ptr + base + ib)
     tl.store(out_ptr + base + ia, a * cos - b * sin)
@@ -381,12 +390,7 @@ def _rope_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_p
         dst = ko_ptr + (tok * KVH + head - H) * HD
         w_ptr = kw_ptr
     p = tl.arange(0, HALF)
-    if NEOX:
-        ia = p
-        ib = p + HALF
-    else:
-        ia = 2 * p
-        ib = 2 * p + 1
+    ia, ib = _rope_pairs(HALF, NEOX)
     a = tl.load(src + ia)
     b = tl.load(src + ib)
     if NORM:
