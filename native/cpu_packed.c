@@ -755,15 +755,53 @@ FORCE __m256 q4k_super_half(const uint8_t *src, int h, const int8_t *x, const in
 
 /* One token over a chunk's records, nh halves: Q5_0 (q4k 0) or Q4_K (q4k 1). Called with
  * both as constants, so each half's accumulator is a register of its own. */
-FORCE void dtile_one(const int q4k, const uint8_t *src, int cols, const int nh, const int8_t *x,
+/* Q6_K for one token, one half of a superblock, its sums in registers as q4k_super_half's:
+ * the integer sums of dtile_q6k, and its float steps in its order (the same bits) */
+FORCE __m256 q6k_super_half(const uint8_t *src, int h, const int8_t *x, const int32_t *xp,
+                            float f1, __m256 acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    __m256i isum = _mm256_setzero_si256(), ioff = _mm256_setzero_si256();
+    for (int j = 0; j < 16; j++) {  /* sub-blocks of 16: 4 groups, two chains */
+        const int8_t *xs = x + 16 * j;
+        const __m256i v0 = half_at(src + 128 * j, h), v1 = half_at(src + 128 * j + 64, h);
+        const __m256i hb = half_at(src + 2048 + 64 * j, h);
+        __m256i a = dpbusd_bcast8(_mm256_setzero_si256(), _mm256_or_si256(
+            _mm256_and_si256(v0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)), xs);
+        __m256i b = dpbusd_bcast8(_mm256_setzero_si256(), _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
+            _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)), xs + 4);
+        a = dpbusd_bcast8(a, _mm256_or_si256(_mm256_and_si256(v1, low4),
+                                             _mm256_and_si256(hb, top)), xs + 8);
+        b = dpbusd_bcast8(b, _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4),
+            _mm256_and_si256(_mm256_srli_epi16(hb, 2), top)), xs + 12);
+        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(a, b),
+                                                         lane_scales(src + 3072 + 16 * j, h, 1)));
+    }
+    for (int p = 0; p < 8; p++)
+        ioff = _mm256_add_epi32(ioff, _mm256_madd_epi16(
+            lane_pairs(src + 3072 + 32 * p, src + 3072 + 32 * p + 16, h, 1),
+            _mm256_set1_epi32(xp[p])));
+    const __m256i tot = _mm256_sub_epi32(isum, _mm256_slli_epi32(ioff, 5));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(
+        load_f16x8((const uint16_t *)(src + 3328 + 16 * h)), _mm256_set1_ps(f1)), acc);
+}
+
+/* One token (decode) over all columns of a chunk, kind 0: Q5_0, 1: Q4_K, 2: Q6_K, with the
+ * accumulators of its nh halves in two registers */
+FORCE void dtile_one(const int kind, const uint8_t *src, int cols, const int nh, const int8_t *x,
                      const int32_t *xc, const int32_t *xp, const float *f1, float *out,
                      uint16_t keep) {
-    const int nrec = q4k ? cols / 256 : cols / 32;
-    const int64_t rec = q4k ? 2368 : 352;
+    const int nrec = kind ? cols / 256 : cols / 32;
+    const int64_t rec = kind == 2 ? 3360 : (kind ? 2368 : 352);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int r = 0; r < nrec; r++, src += rec) {
         PREFETCH(src, rec);
-        if (q4k) {
+        if (kind == 2) {
+            const int8_t *xs = x + 256 * (int64_t)r;
+            acc0 = q6k_super_half(src, 0, xs, xp + 8 * r, f1[r], acc0);
+            if (nh == 2) acc1 = q6k_super_half(src, 1, xs, xp + 8 * r, f1[r], acc1);
+        } else if (kind == 1) {
             const int8_t *xs = x + 256 * (int64_t)r;
             acc0 = q4k_super_half(src, 0, xs, xp + 4 * r, f1[r], acc0);
             if (nh == 2) acc1 = q4k_super_half(src, 1, xs, xp + 4 * r, f1[r], acc1);
@@ -785,9 +823,12 @@ FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, c
     (void)f2;  /* the per-block minimum types are not packed */
     const int nh = keep >> 8 ? 2 : 1;
 #if defined(__AVXVNNI__)
-    if (T == 1 && (qtype == T_Q5_0 || qtype == T_Q4_K)) {  /* decode: the one-token tiles */
-#define ONE(Q4K, NH) dtile_one(Q4K, src, cols, NH, x, xc, xp, f1, out, keep)
-        if (qtype == T_Q4_K) {
+    if (T == 1 && (qtype == T_Q5_0 || qtype == T_Q4_K || qtype == T_Q6_K)) {
+#define ONE(KIND, NH) dtile_one(KIND, src, cols, NH, x, xc, xp, f1, out, keep)
+        if (qtype == T_Q6_K) {  /* decode: the one-token tiles */
+            if (nh == 2) ONE(2, 2);
+            else ONE(2, 1);
+        } else if (qtype == T_Q4_K) {
             if (nh == 2) ONE(1, 2);
             else ONE(1, 1);
         } else {
