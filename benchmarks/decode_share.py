@@ -17,19 +17,8 @@ import sys
 import time
 
 import edgellm
-from edgellm.bench import cpu_stream_bandwidth, weights_read_per_token
+from edgellm.bench import cpu_stream_bandwidth, time_generation, weights_read_per_token
 from edgellm.modelinfo import read_header
-
-
-def tg_sample(model, n_gen: int = 128) -> float:
-    """Seconds for n_gen greedy tokens from an empty cache."""
-    cache = model.make_cache(n_gen + 16)
-    steps = model.net.greedy_tokens(100, cache)
-    start = time.perf_counter()
-    for _ in range(n_gen):
-        next(steps)
-    steps.close()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -38,11 +27,14 @@ def main() -> None:
     model = edgellm.load(name, backend="cpu")
     weights = weights_read_per_token(read_header(name).tensors)
     threads = model.backend.threads
-    tg_sample(model, 16)  # warm-up
+    def make_cache():  # as the bench makes it for tg128
+        return model.make_cache(128 + 16)
+
+    time_generation(model.net, make_cache, 16, 100)  # warm-up
     end = time.time() + seconds
     while time.time() < end:
         before = cpu_stream_bandwidth(threads) / 1e9
-        dt = tg_sample(model)
+        dt = time_generation(model.net, make_cache, 128, 100)
         after = cpu_stream_bandwidth(threads) / 1e9
         rate = weights * 128 / dt / 1e9
         print(f"{model.backend.variant} probe {before:.1f}/{after:.1f} GB/s, tg128 "

@@ -24,18 +24,27 @@ import numpy as np
 import torch
 
 import edgellm
+from edgellm.bench import time_generation
 
 
-def _host(net, cache, steps: int, token: int) -> None:
+def _host(net, make_cache, steps: int, token: int) -> float:
+    """Seconds for ``steps`` greedy tokens with the logits copied back and the argmax taken
+    on the host (time_generation's signature)."""
+    cache = make_cache()
+    start = time.perf_counter()
     for _ in range(steps):
         token = int(net.forward(np.array([token]), cache)[0].argmax())
+    return time.perf_counter() - start
 
 
-def _device(net, cache, steps: int, token: int) -> None:
-    tokens = net.greedy_tokens(token, cache)
-    for _ in range(steps):
-        next(tokens)
-    tokens.close()
+def _synced(run):
+    """``run`` timed until the GPU has finished."""
+    def timed(*args) -> float:
+        start = time.perf_counter()
+        run(*args)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+    return timed
 
 
 def main() -> None:
@@ -47,19 +56,18 @@ def main() -> None:
 
     model = edgellm.load(args.model, backend="torch")
     net = model.net
-    runs = {"host": _host, "device": _device}
+    runs = {"host": _synced(_host), "device": _synced(time_generation)}
+
+    def make_cache():
+        return model.make_cache(args.steps + 16)
+
     for run in runs.values():  # warm-up: captures, compiles
-        run(net, model.make_cache(args.steps + 16), 8, 100)
-    torch.cuda.synchronize()
+        run(net, make_cache, 8, 100)
     rates: dict[str, list[float]] = {name: [] for name in (*runs, "replay")}
     graphs = model.backend.graphs
     for _ in range(args.rounds):
         for name, run in runs.items():
-            cache = model.make_cache(args.steps + 16)
-            start = time.perf_counter()
-            run(net, cache, args.steps, 100)
-            torch.cuda.synchronize()
-            rates[name].append(args.steps / (time.perf_counter() - start))
+            rates[name].append(args.steps / run(net, make_cache, args.steps, 100))
         layouts = graphs._graphs[id(net)]
         replay = next(g for g in layouts if 1 in g.buckets).buckets[1].graph
         begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))

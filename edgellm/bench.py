@@ -154,7 +154,7 @@ def _time_prompt(net, make_cache, tokens: np.ndarray) -> float:
     return time.perf_counter() - start
 
 
-def _time_generation(net, make_cache, n_gen: int, token: int) -> float:
+def time_generation(net, make_cache, n_gen: int, token: int) -> float:
     """Seconds for n_gen greedy tokens (``greedy_tokens``: on a device backend the argmax is
     taken there and the step queued ahead is waited for before the clock stops)."""
     cache = make_cache()
@@ -208,8 +208,8 @@ def bench_model(model: str, backend: str = "auto", threads: int | None = None,
                                    samples=[n_prompt / t for t in times],
                                    ttft_ms=1e3 * statistics.fmean(times)))
     if n_gen:
-        _time_generation(net, make_cache, min(n_gen, 16), 100)
-        times = [_time_generation(net, make_cache, n_gen, 100) for _ in range(repetitions)]
+        time_generation(net, make_cache, min(n_gen, 16), 100)
+        times = [time_generation(net, make_cache, n_gen, 100) for _ in range(repetitions)]
         records.append(BenchRecord(**common, test=f"tg{n_gen}",
                                    samples=[n_gen / t for t in times]))
     memory = getattr(be, "device_memory", lambda: None)()

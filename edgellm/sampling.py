@@ -51,12 +51,16 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def penalizes(self) -> bool:
+        """Do the repetition, presence or frequency penalties change any logit?"""
+        return self.penalty_last_n != 0 and bool(
+            self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty)
+
+    @property
     def argmax_only(self) -> bool:
         """Greedy, and nothing changes the logits first (no bias, no penalties): the token
         is their argmax, which a device backend can take without sending them back."""
-        penalties = self.penalty_last_n != 0 and (
-            self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty)
-        return self.greedy and not self.logit_bias and not penalties
+        return self.greedy and not self.logit_bias and not self.penalizes
 
 
 LogitsProcessor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
@@ -64,9 +68,7 @@ LogitsProcessor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
 
 def apply_penalties(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:
     """Repetition (llama.cpp style: divide positive, multiply negative), presence, frequency."""
-    if p.penalty_last_n == 0 or not history or (
-        p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-    ):
+    if not p.penalizes or not history:
         return logits
     window = history[-p.penalty_last_n:] if p.penalty_last_n > 0 else history
     counts = Counter(window)

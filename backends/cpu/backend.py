@@ -621,7 +621,7 @@ class CpuBackend(NumpyBackend):
             [f("uint16_t[]", keys) for keys, _ in stores],
             [f("uint16_t[]", values) for _, values in stores], slots, firsts, q.shape[1],
             n_kv, q.shape[2], float(scale), float(softcap), f("float[]", out),
-            self.threads if macs >= ATTENTION_THREADS_MIN_MACS else 1)
+            self._attention_threads(macs))
         if status == -2:  # a head layout the kernel does not take (nothing written)
             return super().attention_append(q, k, v, stores, slots, firsts, scale, softcap)
         if status != 0:
@@ -715,7 +715,7 @@ class CpuBackend(NumpyBackend):
         slots, firsts = claim()
         macs = [sum(slot + 1 for slot in slots[b * n:(b + 1) * n])
                 * plan.shape.n_heads * plan.shape.head_dim for b, plan in enumerate(plans)]
-        attn_threads = [self.threads if m >= ATTENTION_THREADS_MIN_MACS else 1 for m in macs]
+        attn_threads = [self._attention_threads(m) for m in macs]
         scratch = np.empty(n * max(p.scratch_floats for p in plans), dtype=np.float32)
         status = self.native.lib.ek_decode_blocks(
             [p.desc for p in plans], len(plans), f("float[]", x), n,
@@ -725,6 +725,11 @@ class CpuBackend(NumpyBackend):
         if status != 0:
             raise MemoryError("no memory for a decode step's activations")
         return x
+
+    def _attention_threads(self, macs: int) -> int:
+        """Threads for an attention job of ``macs`` multiply-adds (one below the size where
+        waking the helpers pays)."""
+        return self.threads if macs >= ATTENTION_THREADS_MIN_MACS else 1
 
     def _c_attention_takes(self, q, cached) -> bool:
         """The C attention kernel's case: C kernels loaded, an f16 cache (``cached``: the
@@ -744,7 +749,7 @@ class CpuBackend(NumpyBackend):
             raise ValueError(f"the masks cover {sum(rows)} rows of {q.shape[0]} queries")
         out = np.empty_like(q)
         macs = sum(n * k.shape[0] for n, k in zip(rows, keys, strict=True)) * q[0].size
-        threads = self.threads if macs >= ATTENTION_THREADS_MIN_MACS else 1
+        threads = self._attention_threads(macs)
         f = self.native.ffi.from_buffer
         status = self.native.lib.ek_attention_f16_batch(
             len(parts), f("float[]", q), [f("uint16_t[]", k) for k in keys],

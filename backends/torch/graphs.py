@@ -182,7 +182,6 @@ class StepGraphs:
         self._stream = torch.cuda.Stream(self.backend.device) if self.capture else None
         self.capture_seconds = 0.0  # total time spent capturing (reported apart from speed)
         self.captures = 0
-        self._last_best = None  # the argmax (1,) of the last step queued, on the device
 
     def forward(self, model, tokens: np.ndarray, cache: KVCache) -> np.ndarray | None:
         """Logits (1, vocab) of the last of ``tokens``, as ``model.forward`` returns them;
@@ -242,14 +241,14 @@ class StepGraphs:
         b = self._launch(model, g, 1, cache, np.zeros(1, np.int64) if chained else tokens,
                          from_device=chained, flip=True)
         host = b.host
-        if host.best_id is None:
+        if host.best_id is None:  # made once per host set
             pin = self.capture
             host.best_id = torch.empty(1, dtype=torch.int64, pin_memory=pin)
             host.best_logit = torch.empty(1, dtype=torch.float32, pin_memory=pin)
+            host.done = torch.cuda.Event() if self.capture else None
         host.best_id.copy_(b.best_id, non_blocking=True)
         host.best_logit.copy_(b.best_logit, non_blocking=True)
-        if self.capture:
-            host.done = torch.cuda.Event()
+        if host.done is not None:
             host.done.record()
         return host
 
@@ -273,8 +272,8 @@ class StepGraphs:
         self._advance(g, b, cache, tokens, positions)
         b.dev_i64.copy_(b.host.i64, non_blocking=True)
         b.dev_masks.copy_(b.host.masks, non_blocking=True)
-        if from_device:  # stream-ordered after the step that computed it
-            b.dev_i64[:1].copy_(self._last_best)
+        if from_device:  # the bucket's last argmax, stream-ordered after its step
+            b.dev_i64[:1].copy_(b.best_id)
         if b.inputs is None:
             b.inputs = self._inputs(g, b)
         if self.capture and b.graph is None and not b.eager:
@@ -290,7 +289,6 @@ class StepGraphs:
             self.backend._rope_memo = (None, {})  # same positions tensor, new values
             b.logits = _step(model, *b.inputs)
             b.best_logit, b.best_id = _greedy(b.logits)
-        self._last_best = b.best_id
         return b
 
     # -- host books ------------------------------------------------------------------------

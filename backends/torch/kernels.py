@@ -283,6 +283,15 @@ def _then_q8_kernel(a_ptr, b_ptr, out_ptr, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
         u = tl.load(b_ptr + row * K + j, mask=ok, other=0.0)
         y = _glu_act(a, OP == 2) * u
     tl.store(out_ptr + row * K + j, y, mask=ok)
+    _store_q8_blocks(y, row, j, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K256)
+
+
+@triton.jit
+def _store_q8_blocks(y, row, j, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
+                     K256: tl.constexpr):
+    """The 256 values y at columns j (of program 1's 256) of a row as a mat-vec's 8-bit
+    blocks, both ways quantize_activations makes them: per 32 (q32 (n, KP) int8, d32
+    (n, KP / 32)) and (K256) per 256, Q8_K (q256, d256: its scale in each of its 8 slots)."""
     inside = j < KP
     q32, d32 = _block_q8(tl.reshape(y, (8, 32)), tl.arange(0, 32)[None, :], 32, False)
     tl.store(q32_ptr + row * KP + j, tl.reshape(q32, (256,)).to(tl.int8), mask=inside)
@@ -435,19 +444,7 @@ def _residual_kernel(x_ptr, h_ptr, hw_ptr, w_ptr, sum_ptr, out_ptr, q32_ptr, d32
                                                                           other=0.0)
         tl.store(out_ptr + row * K + j, y, mask=ok)
         if QUANT:
-            inside = j < KP
-            q32, d32 = _block_q8(tl.reshape(y, (8, 32)), tl.arange(0, 32)[None, :], 32, False)
-            tl.store(q32_ptr + row * KP + j, tl.reshape(q32, (256,)).to(tl.int8), mask=inside)
-            g = tl.program_id(1) * 8 + tl.arange(0, 8)
-            tl.store(d32_ptr + row * (KP // 32) + g, d32, mask=g < KP // 32)
-            if K256:
-                q, d = _block_q8(tl.reshape(y, (1, 256)), tl.arange(0, 256)[None, :], 256,
-                                 True)
-                tl.store(q256_ptr + row * KP + j, tl.reshape(q, (256,)).to(tl.int8),
-                         mask=inside)
-                tl.store(d256_ptr + row * (KP // 32) + g,
-                         tl.zeros_like(g.to(tl.float32)) + tl.sum(d, axis=0),
-                         mask=g < KP // 32)
+            _store_q8_blocks(y, row, j, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K256)
 
 
 @triton.jit
@@ -723,19 +720,34 @@ def then_quantize(op: str, a, b, eps: float = 0.0):
     import torch
 
     n, K = a.shape
-    padded = triton.cdiv(K, CHUNK) * CHUNK  # as the weights' rows are padded
+    padded, blocks = _q8_outputs(n, K, a.device)
     out = torch.empty_like(a)
-    blocks = {}
-    for block in (32, 256) if K % 256 == 0 else (32,):
-        blocks[block] = (torch.empty((n, padded), dtype=torch.int8, device=a.device),
-                         torch.empty((n, padded // 32), dtype=torch.float32, device=a.device))
     q256, d256 = blocks.get(256, blocks[32])
     _then_q8_kernel[(n, triton.cdiv(padded, 256))](
         a, b, out, *blocks[32], q256, d256, K, padded, eps,
         OP={"norm": 0, "silu": 1, "gelu": 2}[op], ROW=triton.next_power_of_2(K),
         K256=256 in blocks,
         num_warps=4 if K >= 1024 or op != "norm" else 1)  # rms_norm's: the same sum, bits
-    return out, {block: (q.view(torch.int32), d) for block, (q, d) in blocks.items()}
+    return out, _as_matvec_blocks(blocks)
+
+
+def _q8_outputs(n: int, K: int, device) -> tuple[int, dict]:
+    """K padded as the weights' rows are (to CHUNK), and empty 8-bit blocks of n rows of it
+    for the kernels that quantize their output: {32: (q int8 (n, padded), d f32 (n, padded
+    / 32))}, and 256 the same way where K is a multiple of 256."""
+    import torch
+
+    padded = triton.cdiv(K, CHUNK) * CHUNK
+    return padded, {block: (torch.empty((n, padded), dtype=torch.int8, device=device),
+                            torch.empty((n, padded // 32), dtype=torch.float32, device=device))
+                    for block in ((32, 256) if K % 256 == 0 else (32,))}
+
+
+def _as_matvec_blocks(blocks: dict) -> dict:
+    """The blocks as the mat-vec takes them: the int8 values read four to an int32."""
+    import torch
+
+    return {block: (q.view(torch.int32), d) for block, (q, d) in blocks.items()}
 
 
 def rope(x, cos, sin, neox: bool):
@@ -770,16 +782,11 @@ def residual(x, h, eps: float, h_norm=None, out_norm=None, quantize: bool = Fals
     import torch
 
     n, K = x.shape
-    padded = triton.cdiv(K, CHUNK) * CHUNK
     total = torch.empty_like(x)
     out = torch.empty_like(x) if out_norm is not None else total
     quantize = quantize and out_norm is not None
-    blocks = {}
-    if quantize:
-        for block in (32, 256) if K % 256 == 0 else (32,):
-            blocks[block] = (torch.empty((n, padded), dtype=torch.int8, device=x.device),
-                             torch.empty((n, padded // 32), dtype=torch.float32,
-                                         device=x.device))
+    padded, blocks = _q8_outputs(n, K, x.device) if quantize else (
+        triton.cdiv(K, CHUNK) * CHUNK, {})
     q32, d32 = blocks.get(32, (total, total))  # (unwritten without QUANT)
     q256, d256 = blocks.get(256, (q32, d32))
     # the row's width as the norms' own launches sum it (same reduction, same bits)
@@ -789,8 +796,7 @@ def residual(x, h, eps: float, h_norm=None, out_norm=None, quantize: bool = Fals
         NORM=out_norm is not None, QUANT=quantize, ROW=triton.next_power_of_2(K),
         K256=256 in blocks, num_warps=4 if K >= 1024 else 1)
     normed = out if out_norm is not None else None
-    return total, normed, ({b: (q.view(torch.int32), d) for b, (q, d) in blocks.items()}
-                           if quantize else None)
+    return total, normed, _as_matvec_blocks(blocks) if quantize else None
 
 
 def glu(gate, up, gelu: bool):
