@@ -104,7 +104,15 @@ def cpu_stream_bandwidth(threads: int) -> float:
             start = time.perf_counter()
             a @ x
             best = min(best, time.perf_counter() - start)
+    time.sleep(BLAS_PARK_SECONDS)
     return a.nbytes / best
+
+
+#: How long OpenBLAS's worker threads spin for more work after a call (2^28 cycles by default)
+#: before they sleep. Until then they hold a core: a decode timed right after the probe ran
+#: with the kernels' helper thread getting 0-25% of its chunks and its mat-vecs at 0.5-0.8x,
+#: for the first ~120 ms (2 Zen 5 cores); after this pause, its full half from the first call.
+BLAS_PARK_SECONDS = 0.3
 
 
 def quant_name(metadata: dict) -> str:

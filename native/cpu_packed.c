@@ -576,39 +576,65 @@ FORCE void dtile_q5_0(const uint8_t *src, int nb, int nh, const int8_t *x, const
 
 #if defined(__AVXVNNI__)
 /* Q5_0 for one token (decode), on AVX-VNNI: each group merged with its fifth bits and summed
- * as soon as it is built, the accumulators in two registers. The tile above holds 8 groups
- * and an accumulator array indexed by the half: 16 ymm registers do not hold them, and the
- * spills to the stack made the loop run at 27-31 GB/s a core where AVX-512 ran at 55-61. The
- * same exact integer sums and the same float steps in the same order: the same bits. */
+ * as soon as it is built, the sums in registers. The tile above holds 8 groups and an
+ * accumulator array indexed by the half: 16 ymm registers do not hold them, and the spills to
+ * the stack made the loop run at 27-31 GB/s a core where AVX-512 ran at 55-61. The same exact
+ * integer sums and the same float steps in the same order: the same bits.
+ *
+ * The one-token tiles below all take a record's (or superblock's) NH halves together: each
+ * activation is broadcast once for both, and the two halves' chains are independent work
+ * for the core while one waits on its vpdpbusd. Hot, one thread, against one half at a time:
+ * Q4_K 33-37 -> 39-45 GB/s, Q6_K 33-36 -> 39-41. */
 FORCE __m256i q5_group(__m256i nibbles, __m256i fifth) {
     return _mm256_or_si256(_mm256_and_si256(nibbles, _mm256_set1_epi8(0x0F)),
                            _mm256_and_si256(fifth, _mm256_set1_epi8(0x10)));
 }
 
-FORCE __m256 q5_0_half_one(const uint8_t *src, int h, const int8_t *xs, int32_t xc, float f1,
-                           __m256 acc) {
-    const __m256i plane = half_at(src + 256, h);
-    __m256i v = half_at(src, h);
-    __m256i a = dpbusd_bcast8(_mm256_set1_epi32(xc), q5_group(v, _mm256_slli_epi16(plane, 4)),
-                              xs);
-    __m256i b = dpbusd_bcast8(_mm256_setzero_si256(),
-                              q5_group(_mm256_srli_epi16(v, 4), _mm256_slli_epi16(plane, 3)),
-                              xs + 4);
-    v = half_at(src + 64, h);
-    a = dpbusd_bcast8(a, q5_group(v, _mm256_slli_epi16(plane, 2)), xs + 8);
-    b = dpbusd_bcast8(b, q5_group(_mm256_srli_epi16(v, 4), _mm256_slli_epi16(plane, 1)),
-                      xs + 12);
-    v = half_at(src + 128, h);
-    a = dpbusd_bcast8(a, q5_group(v, plane), xs + 16);
-    b = dpbusd_bcast8(b, q5_group(_mm256_srli_epi16(v, 4), _mm256_srli_epi16(plane, 1)),
-                      xs + 20);
-    v = half_at(src + 192, h);
-    a = dpbusd_bcast8(a, q5_group(v, _mm256_srli_epi16(plane, 2)), xs + 24);
-    b = dpbusd_bcast8(b, q5_group(_mm256_srli_epi16(v, 4), _mm256_srli_epi16(plane, 3)),
-                      xs + 28);
-    const __m256 sc = load_f16x8((const uint16_t *)(src + 320 + 16 * h));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, b)),
-                           _mm256_mul_ps(sc, _mm256_set1_ps(f1)), acc);
+FORCE void q5_0_one(const uint8_t *src, const int NH, const int8_t *xs, int32_t xc, float f1,
+                    __m256 *acc) {
+    __m256i a[2], b[2];
+    for (int h = 0; h < NH; h++) a[h] = _mm256_set1_epi32(xc), b[h] = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {  /* nibble vector i: groups 2i, 2i + 1 */
+        const __m256i xl = bcast4(xs + 8 * i), xh = bcast4(xs + 8 * i + 4);
+        for (int h = 0; h < NH; h++) {
+            const __m256i plane = half_at(src + 256, h), v = half_at(src + 64 * i, h);
+            /* group g's fifth bits are bit g of the plane's bytes: to bit 4 */
+            const __m256i f_lo = i < 2 ? _mm256_slli_epi16(plane, 4 - 2 * i)
+                                       : _mm256_srli_epi16(plane, 2 * i - 4);
+            const __m256i f_hi = i < 2 ? _mm256_slli_epi16(plane, 3 - 2 * i)
+                                       : _mm256_srli_epi16(plane, 2 * i - 3);
+            a[h] = _mm256_dpbusd_avx_epi32(a[h], q5_group(v, f_lo), xl);
+            b[h] = _mm256_dpbusd_avx_epi32(b[h], q5_group(_mm256_srli_epi16(v, 4), f_hi), xh);
+        }
+    }
+    for (int h = 0; h < NH; h++) {
+        const __m256 sc = load_f16x8((const uint16_t *)(src + 320 + 16 * h));
+        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a[h], b[h])),
+                                 _mm256_mul_ps(sc, _mm256_set1_ps(f1)), acc[h]);
+    }
+}
+
+/* Q8_0 for one token (decode), on AVX-VNNI, as q5_0_one: the records' q + 128 against x less
+ * 128 sum(x) (xc), in two chains a half, the sums in registers. The T-token tile it replaces
+ * for one token keeps its accumulators in an array indexed by half and token: hot, one
+ * thread, 896 columns, it ran at 49-51 GB/s, this at 86-88. The same integer sums and float
+ * steps: the same bits. */
+FORCE void q8_0_one(const uint8_t *src, const int NH, const int8_t *xs, int32_t xc, float f1,
+                    __m256 *acc) {
+    __m256i a[2], b[2];
+    for (int h = 0; h < NH; h++) a[h] = _mm256_set1_epi32(xc), b[h] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i += 2) {
+        const __m256i xl = bcast4(xs + 4 * i), xh = bcast4(xs + 4 * i + 4);
+        for (int h = 0; h < NH; h++) {
+            a[h] = _mm256_dpbusd_avx_epi32(a[h], half_at(src + 64 * i, h), xl);
+            b[h] = _mm256_dpbusd_avx_epi32(b[h], half_at(src + 64 * (i + 1), h), xh);
+        }
+    }
+    for (int h = 0; h < NH; h++) {
+        const __m256 sc = load_f16x8((const uint16_t *)(src + 512 + 16 * h));
+        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a[h], b[h])),
+                                 _mm256_mul_ps(sc, _mm256_set1_ps(f1)), acc[h]);
+    }
 }
 
 #endif
@@ -732,91 +758,93 @@ FORCE __m256i pair_sums(const uint8_t *base, int pairs, int h, int sign, const i
     return sum;
 }
 
-/* Q4_K for one token (decode), on AVX-VNNI: one half of a superblock at a time, its sums in
- * registers (as q5_0_half_one): hot, one thread, 28-29 -> 32-35 GB/s (AVX-512: 47-52). The
- * same integer sums and float steps. */
-FORCE __m256 q4k_super_half(const uint8_t *src, int h, const int8_t *x, const int32_t *xp,
-                            float f1, __m256 acc) {
+/* Q4_K for one token (decode), on AVX-VNNI: a superblock's NH halves together, their sums in
+ * registers (as q5_0_one). The T-token tile ran at 28-29 GB/s hot on one thread (AVX-512:
+ * 47-52). The same integer sums and float steps per half. */
+FORCE void q4k_super(const uint8_t *src, const int NH, const int8_t *x, const int32_t *xp,
+                     float f1, __m256 *acc) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256i isum = _mm256_setzero_si256();
+    __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int j = 0; j < 8; j++) {
         const int8_t *xs = x + 32 * j;
-        __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+        __m256i a[2], b[2];
+        for (int h = 0; h < NH; h++) a[h] = b[h] = _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
-            const __m256i v = half_at(src + 64 * (4 * j + i), h);
-            a = dpbusd_bcast8(a, _mm256_and_si256(v, low4), xs + 8 * i);
-            b = dpbusd_bcast8(b, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), xs + 8 * i + 4);
+            const __m256i xl = bcast4(xs + 8 * i), xh = bcast4(xs + 8 * i + 4);
+            for (int h = 0; h < NH; h++) {
+                const __m256i v = half_at(src + 64 * (4 * j + i), h);
+                a[h] = _mm256_dpbusd_avx_epi32(a[h], _mm256_and_si256(v, low4), xl);
+                b[h] = _mm256_dpbusd_avx_epi32(
+                    b[h], _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), xh);
+            }
         }
-        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(a, b),
-                                                         lane_scales(src + 2048 + 16 * j, h, 0)));
+        for (int h = 0; h < NH; h++)
+            isum[h] = _mm256_add_epi32(isum[h], _mm256_mullo_epi32(
+                _mm256_add_epi32(a[h], b[h]), lane_scales(src + 2048 + 16 * j, h, 0)));
     }
-    const __m256i imin = pair_sums(src + 2176, 4, h, 0, xp);
     const __m256 xd = _mm256_set1_ps(f1);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
-                          _mm256_mul_ps(load_f16x8((const uint16_t *)(src + 2304 + 16 * h)), xd),
-                          acc);
-    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin),
-                            _mm256_mul_ps(load_f16x8((const uint16_t *)(src + 2336 + 16 * h)), xd),
-                            acc);
-}
-
-/* Q6_K for one token, one half of a superblock, its sums in registers as q4k_super_half's:
- * the integer sums of dtile_q6k, and its float steps in its order (the same bits). A first
- * version (the T-token tile's groups built for one token) ran 5-10% slower than that tile;
- * this one 32-36 GB/s against its 31-33. */
-FORCE __m256 q6k_super_half(const uint8_t *src, int h, const int8_t *x, const int32_t *xp,
-                            float f1, __m256 acc) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
-    __m256i isum = _mm256_setzero_si256();
-    for (int j = 0; j < 16; j++) {  /* sub-blocks of 16: 4 groups, two chains */
-        const int8_t *xs = x + 16 * j;
-        const __m256i v0 = half_at(src + 128 * j, h), v1 = half_at(src + 128 * j + 64, h);
-        const __m256i hb = half_at(src + 2048 + 64 * j, h);
-        __m256i a = dpbusd_bcast8(_mm256_setzero_si256(), _mm256_or_si256(
-            _mm256_and_si256(v0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)), xs);
-        __m256i b = dpbusd_bcast8(_mm256_setzero_si256(), _mm256_or_si256(
-            _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
-            _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)), xs + 4);
-        a = dpbusd_bcast8(a, _mm256_or_si256(_mm256_and_si256(v1, low4),
-                                             _mm256_and_si256(hb, top)), xs + 8);
-        b = dpbusd_bcast8(b, _mm256_or_si256(
-            _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4),
-            _mm256_and_si256(_mm256_srli_epi16(hb, 2), top)), xs + 12);
-        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(a, b),
-                                                         lane_scales(src + 3072 + 16 * j, h, 1)));
+    for (int h = 0; h < NH; h++) {
+        const __m256i imin = pair_sums(src + 2176, 4, h, 0, xp);
+        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h]), _mm256_mul_ps(
+            load_f16x8((const uint16_t *)(src + 2304 + 16 * h)), xd), acc[h]);
+        acc[h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(
+            load_f16x8((const uint16_t *)(src + 2336 + 16 * h)), xd), acc[h]);
     }
-    const __m256i ioff = pair_sums(src + 3072, 8, h, 1, xp);
-    const __m256i tot = _mm256_sub_epi32(isum, _mm256_slli_epi32(ioff, 5));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(
-        load_f16x8((const uint16_t *)(src + 3328 + 16 * h)), _mm256_set1_ps(f1)), acc);
 }
 
-/* One token (decode) over all columns of a chunk, kind 0: Q5_0, 1: Q4_K, 2: Q6_K, with the
- * accumulators of its nh halves in two registers */
+/* Q6_K for one token, a superblock's NH halves together as q4k_super: the integer sums of
+ * dtile_q6k, and its float steps in its order (the same bits). The T-token tile ran at 31-33
+ * GB/s hot on one thread. */
+FORCE void q6k_super(const uint8_t *src, const int NH, const int8_t *x, const int32_t *xp,
+                     float f1, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int j = 0; j < 16; j++) {  /* sub-blocks of 16: 4 groups, two chains a half */
+        const int8_t *xs = x + 16 * j;
+        const __m256i x0 = bcast4(xs), x1 = bcast4(xs + 4), x2 = bcast4(xs + 8);
+        const __m256i x3 = bcast4(xs + 12);
+        for (int h = 0; h < NH; h++) {
+            const __m256i v0 = half_at(src + 128 * j, h), v1 = half_at(src + 128 * j + 64, h);
+            const __m256i hb = half_at(src + 2048 + 64 * j, h);
+            __m256i a = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_or_si256(
+                _mm256_and_si256(v0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)), x0);
+            __m256i b = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
+                _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)), x1);
+            a = _mm256_dpbusd_avx_epi32(a, _mm256_or_si256(_mm256_and_si256(v1, low4),
+                                                           _mm256_and_si256(hb, top)), x2);
+            b = _mm256_dpbusd_avx_epi32(b, _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4),
+                _mm256_and_si256(_mm256_srli_epi16(hb, 2), top)), x3);
+            isum[h] = _mm256_add_epi32(isum[h], _mm256_mullo_epi32(
+                _mm256_add_epi32(a, b), lane_scales(src + 3072 + 16 * j, h, 1)));
+        }
+    }
+    for (int h = 0; h < NH; h++) {
+        const __m256i ioff = pair_sums(src + 3072, 8, h, 1, xp);
+        const __m256i tot = _mm256_sub_epi32(isum[h], _mm256_slli_epi32(ioff, 5));
+        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(
+            load_f16x8((const uint16_t *)(src + 3328 + 16 * h)), _mm256_set1_ps(f1)), acc[h]);
+    }
+}
+
+/* One token (decode) over all columns of a chunk, kind 0: Q5_0, 1: Q4_K, 2: Q6_K, 3: Q8_0,
+ * the accumulators of its nh halves in two registers */
 FORCE void dtile_one(const int kind, const uint8_t *src, int cols, const int nh, const int8_t *x,
                      const int32_t *xc, const int32_t *xp, const float *f1, float *out,
                      uint16_t keep) {
-    const int nrec = kind ? cols / 256 : cols / 32;
-    const int64_t rec = kind == 2 ? 3360 : (kind ? 2368 : 352);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const int nrec = kind == 1 || kind == 2 ? cols / 256 : cols / 32;
+    const int64_t rec = kind == 3 ? 544 : (kind == 2 ? 3360 : (kind ? 2368 : 352));
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int r = 0; r < nrec; r++, src += rec) {
         PREFETCH(src, rec);
-        if (kind == 2) {
-            const int8_t *xs = x + 256 * (int64_t)r;
-            acc0 = q6k_super_half(src, 0, xs, xp + 8 * r, f1[r], acc0);
-            if (nh == 2) acc1 = q6k_super_half(src, 1, xs, xp + 8 * r, f1[r], acc1);
-        } else if (kind == 1) {
-            const int8_t *xs = x + 256 * (int64_t)r;
-            acc0 = q4k_super_half(src, 0, xs, xp + 4 * r, f1[r], acc0);
-            if (nh == 2) acc1 = q4k_super_half(src, 1, xs, xp + 4 * r, f1[r], acc1);
-        } else {
-            const int8_t *xs = x + 32 * (int64_t)r;
-            acc0 = q5_0_half_one(src, 0, xs, xc[r], f1[r], acc0);
-            if (nh == 2) acc1 = q5_0_half_one(src, 1, xs, xc[r], f1[r], acc1);
-        }
+        if (kind == 2) q6k_super(src, nh, x + 256 * (int64_t)r, xp + 8 * r, f1[r], acc);
+        else if (kind == 1) q4k_super(src, nh, x + 256 * (int64_t)r, xp + 4 * r, f1[r], acc);
+        else if (kind == 3) q8_0_one(src, nh, x + 32 * (int64_t)r, xc[r], f1[r], acc);
+        else q5_0_one(src, nh, x + 32 * (int64_t)r, xc[r], f1[r], acc);
     }
-    store_half(out, keep & 0xFF, acc0);
-    if (nh == 2) store_half(out + 8, keep >> 8, acc1);
+    store_half(out, keep & 0xFF, acc[0]);
+    if (nh == 2) store_half(out + 8, keep >> 8, acc[1]);
 }
 #endif
 
@@ -827,9 +855,12 @@ FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, c
     (void)f2;  /* the per-block minimum types are not packed */
     const int nh = keep >> 8 ? 2 : 1;
 #if defined(__AVXVNNI__)
-    if (T == 1 && (qtype == T_Q5_0 || qtype == T_Q4_K || qtype == T_Q6_K)) {
+    if (T == 1) {
 #define ONE(KIND, NH) dtile_one(KIND, src, cols, NH, x, xc, xp, f1, out, keep)
-        if (qtype == T_Q6_K) {  /* decode: the one-token tiles */
+        if (qtype == T_Q8_0) {  /* decode: the one-token tiles */
+            if (nh == 2) ONE(3, 2);
+            else ONE(3, 1);
+        } else if (qtype == T_Q6_K) {
             if (nh == 2) ONE(2, 2);
             else ONE(2, 1);
         } else if (qtype == T_Q4_K) {

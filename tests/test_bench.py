@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -64,3 +65,14 @@ def test_isa_forces_each_variant_this_cpu_runs(monkeypatch):
     for isa in [*cpu_kernels.runnable_variants(), "numba"]:
         monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
         assert CpuBackend(threads=1).variant == isa
+
+
+def test_bandwidth_probe_leaves_no_thread_spinning():
+    """numpy's BLAS threads spin for more work ~0.1 s after a call: a decode timed then shared
+    its cores with them. The probe returns only once they sleep, so the process burns next to
+    no CPU time while it idles right after."""
+    bench.cpu_stream_bandwidth(2)
+    cpu, wall = time.process_time(), time.perf_counter()
+    time.sleep(0.05)
+    spun = time.process_time() - cpu
+    assert spun < 0.2 * (time.perf_counter() - wall), f"{spun * 1e3:.0f} ms of CPU while idle"
