@@ -66,9 +66,13 @@ if has tests; then  # (after the speed runs: a hung test cannot cost their figur
         > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$?"; tail -n 25 "$OUT/pytest.log"
 fi
-if has profile; then
-    echo "== decode profile (1.5B)"
-    timeout 90 python3 benchmarks/torch_profile.py "${MODELS[2]}" 2>&1 | tee "$OUT/profile.txt" | tail -n 40
+if has profile; then  # kernels per prompt and decode step: the 1.5B's decode, Gemma's prefill
+    for m in "${MODELS[2]}" "${MODELS[0]}"; do
+        name=$(basename "$m" .gguf)
+        echo "== profile ($name)"
+        timeout 90 python3 benchmarks/torch_profile.py "$m" 2>&1 | tee "$OUT/profile-$name.txt" \
+            | tail -n 40
+    done
 fi
 if has ab; then  # decode: launch fusions off/on (alternating processes), host vs device argmax
     for m in "${MODELS[2]}" "${MODELS[0]}"; do
