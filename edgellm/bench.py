@@ -88,12 +88,21 @@ def device_name() -> str:
     return f"{model or platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
+#: How long the probe waits for OpenBLAS's worker threads to stop spinning for more work (its
+#: THREAD_TIMEOUT; ~0.1 s here) and sleep. Until then they hold a core: a decode timed right
+#: after the probe ran with the kernels' helper thread getting 0-25% of its chunks and its
+#: mat-vecs at 0.5-0.8x, for the first ~100 ms (2 Zen 5 cores); after this pause, its full
+#: half from the first call.
+BLAS_PARK_SECONDS = 0.3
+
+
 def cpu_stream_bandwidth(threads: int) -> float:
     """Bytes/second ``threads`` cores stream from memory: the best of 3 f32 mat-vecs over a
     1 GiB matrix (numpy's BLAS on that many threads). The ceiling a decode step's weight
     reads can reach on this machine. Measured anew for each model, right after its runs: on
     a shared VM the memory speed moves over minutes (this probe read 37 to 66 GB/s in one
-    afternoon), and a share against a probe taken minutes before means little."""
+    afternoon), and a share against a probe taken minutes before means little. Returns once
+    BLAS's threads sleep again (``BLAS_PARK_SECONDS``)."""
     from edgellm.backends.cpu.blas_threads import blas_threads
 
     a = np.ones((16384, 16384), dtype=np.float32)  # 1 GiB: far past any last-level cache
@@ -106,13 +115,6 @@ def cpu_stream_bandwidth(threads: int) -> float:
             best = min(best, time.perf_counter() - start)
     time.sleep(BLAS_PARK_SECONDS)
     return a.nbytes / best
-
-
-#: How long OpenBLAS's worker threads spin for more work after a call (2^28 cycles by default)
-#: before they sleep. Until then they hold a core: a decode timed right after the probe ran
-#: with the kernels' helper thread getting 0-25% of its chunks and its mat-vecs at 0.5-0.8x,
-#: for the first ~120 ms (2 Zen 5 cores); after this pause, its full half from the first call.
-BLAS_PARK_SECONDS = 0.3
 
 
 def quant_name(metadata: dict) -> str:

@@ -592,17 +592,20 @@ FORCE __m256i q5_group(__m256i nibbles, __m256i fifth) {
 
 FORCE void q5_0_one(const uint8_t *src, const int NH, const int8_t *xs, int32_t xc, float f1,
                     __m256 *acc) {
-    __m256i a[2], b[2];
-    for (int h = 0; h < NH; h++) a[h] = _mm256_set1_epi32(xc), b[h] = _mm256_setzero_si256();
+    __m256i a[2], b[2], plane[2];
+    for (int h = 0; h < NH; h++) {
+        a[h] = _mm256_set1_epi32(xc), b[h] = _mm256_setzero_si256();
+        plane[h] = half_at(src + 256, h);
+    }
     for (int i = 0; i < 4; i++) {  /* nibble vector i: groups 2i, 2i + 1 */
         const __m256i xl = bcast4(xs + 8 * i), xh = bcast4(xs + 8 * i + 4);
         for (int h = 0; h < NH; h++) {
-            const __m256i plane = half_at(src + 256, h), v = half_at(src + 64 * i, h);
+            const __m256i v = half_at(src + 64 * i, h);
             /* group g's fifth bits are bit g of the plane's bytes: to bit 4 */
-            const __m256i f_lo = i < 2 ? _mm256_slli_epi16(plane, 4 - 2 * i)
-                                       : _mm256_srli_epi16(plane, 2 * i - 4);
-            const __m256i f_hi = i < 2 ? _mm256_slli_epi16(plane, 3 - 2 * i)
-                                       : _mm256_srli_epi16(plane, 2 * i - 3);
+            const __m256i f_lo = i < 2 ? _mm256_slli_epi16(plane[h], 4 - 2 * i)
+                                       : _mm256_srli_epi16(plane[h], 2 * i - 4);
+            const __m256i f_hi = i < 2 ? _mm256_slli_epi16(plane[h], 3 - 2 * i)
+                                       : _mm256_srli_epi16(plane[h], 2 * i - 3);
             a[h] = _mm256_dpbusd_avx_epi32(a[h], q5_group(v, f_lo), xl);
             b[h] = _mm256_dpbusd_avx_epi32(b[h], q5_group(_mm256_srli_epi16(v, 4), f_hi), xh);
         }
@@ -828,20 +831,20 @@ FORCE void q6k_super(const uint8_t *src, const int NH, const int8_t *x, const in
     }
 }
 
-/* One token (decode) over all columns of a chunk, kind 0: Q5_0, 1: Q4_K, 2: Q6_K, 3: Q8_0,
+/* One token (decode) over all columns of a chunk of qtype (a constant in each compiled body),
  * the accumulators of its nh halves in two registers */
-FORCE void dtile_one(const int kind, const uint8_t *src, int cols, const int nh, const int8_t *x,
-                     const int32_t *xc, const int32_t *xp, const float *f1, float *out,
-                     uint16_t keep) {
-    const int nrec = kind == 1 || kind == 2 ? cols / 256 : cols / 32;
-    const int64_t rec = kind == 3 ? 544 : (kind == 2 ? 3360 : (kind ? 2368 : 352));
+FORCE void dtile_one(const int qtype, const uint8_t *src, int cols, const int nh,
+                     const int8_t *x, const int32_t *xc, const int32_t *xp, const float *f1,
+                     float *out, uint16_t keep) {
+    const int nrec = cols / packed_record_cols(qtype);
+    const int64_t rec = packed_record_bytes(qtype);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int r = 0; r < nrec; r++, src += rec) {
         PREFETCH(src, rec);
-        if (kind == 2) q6k_super(src, nh, x + 256 * (int64_t)r, xp + 8 * r, f1[r], acc);
-        else if (kind == 1) q4k_super(src, nh, x + 256 * (int64_t)r, xp + 4 * r, f1[r], acc);
-        else if (kind == 3) q8_0_one(src, nh, x + 32 * (int64_t)r, xc[r], f1[r], acc);
-        else q5_0_one(src, nh, x + 32 * (int64_t)r, xc[r], f1[r], acc);
+        if (qtype == T_Q4_K) q4k_super(src, nh, x + 256 * (int64_t)r, xp + 4 * r, f1[r], acc);
+        else if (qtype == T_Q6_K) q6k_super(src, nh, x + 256 * (int64_t)r, xp + 8 * r, f1[r], acc);
+        else if (qtype == T_Q5_0) q5_0_one(src, nh, x + 32 * (int64_t)r, xc[r], f1[r], acc);
+        else q8_0_one(src, nh, x + 32 * (int64_t)r, xc[r], f1[r], acc);
     }
     store_half(out, keep & 0xFF, acc[0]);
     if (nh == 2) store_half(out + 8, keep >> 8, acc[1]);
@@ -855,20 +858,14 @@ FORCE void dtile_any(int qtype, const uint8_t *src, int cols, const int8_t *x, c
     (void)f2;  /* the per-block minimum types are not packed */
     const int nh = keep >> 8 ? 2 : 1;
 #if defined(__AVXVNNI__)
-    if (T == 1) {
-#define ONE(KIND, NH) dtile_one(KIND, src, cols, NH, x, xc, xp, f1, out, keep)
-        if (qtype == T_Q8_0) {  /* decode: the one-token tiles */
-            if (nh == 2) ONE(3, 2);
-            else ONE(3, 1);
-        } else if (qtype == T_Q6_K) {
-            if (nh == 2) ONE(2, 2);
-            else ONE(2, 1);
-        } else if (qtype == T_Q4_K) {
-            if (nh == 2) ONE(1, 2);
-            else ONE(1, 1);
-        } else {
-            if (nh == 2) ONE(0, 2);
-            else ONE(0, 1);
+    if (T == 1) {  /* decode: the one-token tiles, a body per type and half count */
+#define ONE(QT) (nh == 2 ? dtile_one(QT, src, cols, 2, x, xc, xp, f1, out, keep) \
+                         : dtile_one(QT, src, cols, 1, x, xc, xp, f1, out, keep))
+        switch (qtype) {
+        case T_Q4_K: ONE(T_Q4_K); break;
+        case T_Q6_K: ONE(T_Q6_K); break;
+        case T_Q5_0: ONE(T_Q5_0); break;
+        default: ONE(T_Q8_0); break;
         }
 #undef ONE
         return;
