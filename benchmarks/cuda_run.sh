@@ -11,7 +11,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"llama bench tests profile ab mem matvec sweep"}
+STEPS=${STEPS:-"llama bench tests profile prefill ab mem matvec sweep"}
 mkdir -p "$OUT" /tmp/m
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -72,6 +72,14 @@ if has profile; then  # kernels per prompt and decode step: the 1.5B's decode, G
         echo "== profile ($name)"
         timeout 90 python3 benchmarks/torch_profile.py "$m" 2>&1 | tee "$OUT/profile-$name.txt" \
             | tail -n 40
+    done
+fi
+if has prefill; then  # a prompt's GEMM variants (cast, f32 out, fused tiles) and ring rules
+    for m in "${MODELS[0]}" "${MODELS[2]}"; do
+        echo "== prefill A/B $(basename "$m")"
+        timeout 180 python3 benchmarks/torch_prefill_ab.py "$m" \
+            --tiles "${PREFILL_TILES:-128x64x2x8,64x128x2x4,128x128x1x8}" 2>&1 \
+            | tee -a "$OUT/prefill_ab.txt" | tail -n 12
     done
 fi
 if has ab; then  # decode: launch fusions off/on (alternating processes), host vs device argmax

@@ -110,7 +110,7 @@ def main() -> None:
     wall = (time.perf_counter() - start) / args.steps
     g = graphed.backend.graphs
     layouts = next(iter(g._graphs.values()))  # the model's graphs, one per cache layout
-    replay = next(lay for lay in layouts if 1 in lay.buckets).buckets[1].graph
+    replay = next(b for lay in layouts if (b := lay.decode_bucket()) is not None).graph
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(args.steps):

@@ -369,7 +369,7 @@ class LayerCache:
         if not self.plan.is_ring and start + n > self.plan.slots:
             raise ContextOverflow(f"context full: {start} + {n} tokens exceed the layer's "
                                   f"{self.plan.slots} slots")
-        if n <= self.plan.max_inplace:
+        if self.writes_in_place(start, n):
             self._write(new_pos, k, v)
             keys, values = self._read(start)
             used = start + n  # until the layout wraps, position p sits in slot p and the
@@ -387,6 +387,14 @@ class LayerCache:
         if self._needs_sinks_per_query(start, n):
             keys, values, mask = self._with_sinks_per_query(keys, values, mask, key_pos, new_pos)
         return keys, values, mask
+
+    def writes_in_place(self, start: int, n: int) -> bool:
+        """May n tokens from position ``start`` be stored before their queries attend? Yes
+        when the write overwrites no key those queries need: an update the layout always
+        takes (``max_inplace``), or one that ends before the first wrap, which overwrites
+        nothing at all (a ring's first prompt: attention over the slots so far, not over
+        the whole ring followed by the new rows)."""
+        return n <= self.plan.max_inplace or start + n <= self.plan.slots
 
     def takes_one(self) -> bool:
         """Does decode's next token take the one-token path (``claim_one``)? Before the

@@ -70,6 +70,7 @@ CHUNKINGS = {
     "prefill-longer-than-window": [29, 1, 1, 9],
     "one-long-prefill": [40],
     "reserve-sized": [5, 5, 5, 5, 5, 5, 5, 5],  # exactly reserve + 1: in place
+    "first-prompt-fills-the-ring": [11, 1, 6, 3],  # > reserve + 1 before the first wrap
 }
 
 
@@ -84,6 +85,21 @@ def test_ring_attends_like_dense_attention(kind, chunks):
     }[kind]()
     ours, ref = run_layer(lc, chunks)
     np.testing.assert_allclose(ours, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["error", "rotate"])
+def test_a_ring_first_prompt_attends_over_its_own_rows_only(policy):
+    """Before the first wrap a prompt longer than the reserve overwrites nothing: it is
+    stored first and attends over the slots filled so far (not the whole ring followed by
+    the new rows, twice the keys); after the wrap the same size takes the old path."""
+    lc = (layer(window=8, tokens=64) if policy == "error" else
+          layer(tokens=12, policy=policy, keep=3))
+    assert lc.plan.is_ring and 11 > lc.plan.max_inplace and 11 <= lc.plan.slots
+    rows = np.ones((11, KVH, HD), np.float32)
+    keys, _, mask = lc.update_and_fetch(rows, rows)
+    assert keys.shape[0] == 11 and mask.shape == (11, 11)
+    keys, _, mask = lc.update_and_fetch(rows, rows)  # wraps: the rows before, then the new
+    assert keys.shape[0] == lc.plan.slots + 11
 
 
 def test_window_layer_is_a_ring_of_window_plus_reserve():

@@ -109,6 +109,23 @@ def test_dequantize_and_gather(qtype):
     assert np.array_equal(got, w[ids])
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("M", [3, 70])  # one program's rows; more than a tile's 64
+def test_dequantized_matmul(qtype, M):
+    """The fused dequantize-GEMM (a prompt's matmul without a dequantized copy of W): x (f16)
+    @ W.T + bias in f32 sums, against the f64 product of the same f16 values; 70 rows (a
+    partial tile) and, for 32-blocks, K = 96 (half a 64-weight chunk past the last)."""
+    rows, cols = 70, (512 if qtype in K_QUANTS else 96)
+    tensor = random_tensor(qtype, rows, cols, seed=7)
+    w = dequantize(tensor.data, qtype).reshape(rows, cols).astype(np.float16)
+    x = np.random.default_rng(M).standard_normal((M, cols)).astype(np.float16)
+    bias = np.linspace(-1, 1, rows, dtype=np.float32)
+    got = kernels.dequantized_matmul(t(x), uploaded(tensor, rows, cols), t(bias))
+    want = x.astype(np.float64) @ w.astype(np.float64).T + bias
+    assert got.dtype == torch.float32 and got.shape == (M, rows)
+    assert np.abs(got.cpu().numpy() - want).max() <= 1e-5 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
 def test_round_activations(qtype):
     x = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
@@ -217,6 +234,29 @@ def test_matmuls_stack_neighbours_of_one_type(n):
     for want, got in zip(*outs, strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's f32-output GEMM: CUDA")
+def test_prefill_gemm_writes_f32_sums():
+    """A prompt's GEMM (f16 tiles) writes its f32 sums (``torch.mm(.., out_dtype)``): f32
+    out, no f16 rounding of them, so at least as close to the f64 product of the same f16
+    inputs as the f16 GEMM then a cast, and the same within f16's half-ulp."""
+    from edgellm.backends.torch.backend import TorchBackend
+
+    be = TorchBackend(device="cuda", graphs=False)
+    assert be._gemm_writes_f32, "this torch's CUDA mm takes no out_dtype (torch >= 2.8)"
+    tensor = random_tensor(Q.Q4_K, 96, 512, seed=5)
+    w = be.prepare(tensor)
+    x = np.random.default_rng(5).standard_normal((24, 512)).astype(np.float32)
+    xa = kernels.round_activations(t(x), 256, torch.float16)
+    got = be._multiply(xa, w, None)
+    be._gemm_writes_f32 = False
+    cast = be._multiply(xa, w, None)
+    exact = xa.double() @ kernels.dequantize(w.planes, torch.float16).double().T
+    assert got.dtype == torch.float32
+    err, cast_err = ((o.double() - exact).abs().max().item() for o in (got, cast))
+    assert err <= cast_err and err <= 1e-4 * exact.abs().max().item()
+    torch.testing.assert_close(got, cast, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("op", ["norm", "silu", "gelu"])

@@ -140,7 +140,7 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
     eager, eager_cache = run(False)
     replayed, cache = run(True)
     g = graphs._graphs[id(net)][0]
-    sizes = sorted(g.buckets)
+    sizes = sorted({size for size, _ in g.buckets})
     assert sizes == sorted({1, *(graphs_module.bucket_for(len(p)) for p in (prompt, turn))})
     modes = {mode for b in g.buckets.values() for _, _, mode in b.mask_spans}
     if window or not CUDA:  # some steps in place, some over old rows + new ones (an exact
@@ -157,7 +157,7 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
     del cache
     again, _ = run(True)  # a fresh cache adopts the graphs of the one just dropped
     np.testing.assert_array_equal(again, replayed)
-    assert graphs.captures == (len(sizes) if graphs.capture else 0)
+    assert graphs.captures == (len(g.buckets) if graphs.capture else 0)
 
 
 @pytest.mark.parametrize("window", [0, 5])
@@ -230,17 +230,21 @@ def test_stream_generate_greedy_uses_device_argmax(tmp_path, monkeypatch):
     assert cache.offset == cache_host.offset == 4 + 5
 
 
-def test_triton_path_follows_cpu_torch(tmp_path):
+@pytest.mark.parametrize("fused_gemm", [False, True], ids=["dequantize-gemm", "fused-gemm"])
+def test_triton_path_follows_cpu_torch(tmp_path, monkeypatch, fused_gemm):
     """The GPU path (packed planes, triton mat-vec for <= 8 tokens, dequantized GEMM tiles
-    above, triton norms/RoPE/GLUs), here in triton's interpreter unless there is a GPU,
-    against CPU torch's f32 weights: a 12-token prompt and 2 decode steps."""
+    above, or the fused dequantize-GEMM, triton norms/RoPE/GLUs), here in triton's
+    interpreter unless there is a GPU, against CPU torch's f32 weights: a 12-token prompt
+    and 2 decode steps."""
     from edgellm.backends.torch import TorchBackend
     from edgellm.quants import Q
 
     if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton's interpreter was not enabled before triton was imported")
     pytest.importorskip("triton")
+    monkeypatch.setenv("EDGELLM_FUSED_GEMM", "1" if fused_gemm else "0")
     fast = TorchBackend(graphs=False) if CUDA else TorchBackend(device="cpu", triton=True)
+    assert fast.fused_gemm == fused_gemm
     outs = []
     for backend in (fast, TorchBackend(device="cpu", ggml_numerics=False)):
         net = _tiny_net(tmp_path, Q.Q4_0, backend, small=not CUDA)  # (the interpreter is slow)
@@ -249,11 +253,13 @@ def test_triton_path_follows_cpu_torch(tmp_path):
         outs.append(np.concatenate([logits, _decode(net, cache, [60, 61])]))
     fast_out, cpu = outs
     assert np.array_equal(fast_out.argmax(-1), cpu.argmax(-1))
-    # the prefill GEMM in f16 on a GPU; the same f32 arithmetic in the interpreter
+    # the prefill GEMM in f16 on a GPU and in the fused kernel (the interpreter too); the
+    # same f32 arithmetic in the interpreter's dequantize + GEMM
+    f16 = CUDA or fused_gemm
     error = np.abs(fast_out - cpu).max() / np.abs(cpu).max()
-    if CUDA and error > 2e-2:
+    if f16 and error > 2e-2:
         # measured on an H200: 0.0241. The f16 GEMM's ~1e-3 moves some activations across an
         # 8-bit rounding step (1/127 of their block's peak) in the next layer; llama.cpp's
         # prefill multiplies int8 blocks exactly (MMQ), which this backend does not yet
         pytest.xfail(f"f16 prefill GEMM: logits {error:.4f} of their peak from CPU torch's")
-    assert error <= (2e-2 if CUDA else 1e-3)
+    assert error <= (2e-2 if f16 else 1e-3)

@@ -111,6 +111,16 @@ def _stackable(a: TorchWeight, b: TorchWeight) -> bool:
             and a.cols == b.cols and a is not b)
 
 
+def _mm_writes_f32(device: torch.device) -> bool:
+    """Can ``torch.mm`` on this device write f32 from f16 inputs (``out_dtype``: cuBLAS's
+    f32-output GEMM, torch >= 2.8 on CUDA)?"""
+    a = torch.ones((2, 8), dtype=torch.float16, device=device)
+    try:
+        return torch.mm(a, a.T, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
 def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.as_subclass(torch.Tensor) if type(x) is not torch.Tensor else x
 
@@ -160,8 +170,11 @@ class TorchBackend(Backend):
             from . import kernels
 
             self.kernels = kernels
-        # prefill GEMMs over dequantized weights: f16 on a GPU (CPU f16 GEMMs are slow)
+        # prefill GEMMs over dequantized weights: f16 on a GPU (CPU f16 GEMMs are slow),
+        # writing f32 where this torch's cuBLAS GEMM can (no cast launch after each one)
         self._gemm_dtype = torch.float16 if self.cuda else torch.float32
+        self._gemm_writes_f32 = (self.cuda and os.environ.get("EDGELLM_GEMM_F32_OUT", "1") != "0"
+                                 and _mm_writes_f32(self.device))
         self.ggml_numerics = self.kernels is None if ggml_numerics is None else ggml_numerics
         if self.ggml_numerics and self.kernels is not None:
             raise ValueError("torch backend: ggml_numerics is for CPU torch without triton")
@@ -175,6 +188,11 @@ class TorchBackend(Backend):
         self.fuse_quantize = os.environ.get("EDGELLM_FUSE_QUANTIZE", "1") != "0"
         # Q/K norms + RoPE, and a sublayer's residual add + norms, one launch each
         self.fuse_launches = os.environ.get("EDGELLM_FUSE_LAUNCHES", "1") != "0"
+        #: a prompt's GEMMs dequantize W's tiles inside one triton kernel (no f16 copy of W
+        #: and no dequantize launch). Off until measured against dequantize + cuBLAS on a
+        #: GPU (benchmarks/torch_prefill_ab.py); EDGELLM_FUSED_GEMM=1 turns it on
+        self.fused_gemm = (self.kernels is not None
+                           and os.environ.get("EDGELLM_FUSED_GEMM", "0") == "1")
         self.graphs = None
         if graphs is None:
             graphs = self.cuda and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0"
@@ -366,8 +384,14 @@ class TorchBackend(Backend):
         if w.dense is not None:
             out = xa @ w.dense.T
             return out + bias if bias is not None else out
+        if self.fused_gemm:
+            return self.kernels.dequantized_matmul(xa.to(torch.float16), w.planes, bias)
         dense = self.kernels.dequantize(w.planes, self._gemm_dtype)  # (rows, cols)
-        out = (xa.to(self._gemm_dtype) @ dense.T).float()
+        xa = xa.to(self._gemm_dtype)
+        if self._gemm_writes_f32:  # (n, rows) f32 from f32 sums: no f16 rounding, no cast
+            out = torch.mm(xa, dense.T, out_dtype=torch.float32)
+        else:
+            out = (xa @ dense.T).float()
         return out + bias if bias is not None else out
 
     def _like_ggml(self, fn, *args) -> torch.Tensor:

@@ -16,9 +16,12 @@ write slots and mask (layers with the same plan share them: two for Gemma 3, one
 The host still keeps the cache's books (``slot_pos``, ``offset``) as
 ``LayerCache.update_and_fetch`` does, so trim, eager steps and everything else see the same
 cache. A layer attends as update_and_fetch does: over its storage after the write when the
-bucket fits in place (``LayerPlan.max_inplace``), else over the storage before the write
-followed by the new rows (a ring whose window a long slice would overwrite). The captured
-pass is ``Model.forward``'s own steps (embed, ``block_forward`` per layer, norm, output).
+bucket may be written in place (``LayerCache.writes_in_place``), else over the storage
+before the write followed by the new rows (a ring whose window a long slice would
+overwrite). Which of the two each group of layers takes is part of the bucket's key, so a
+ring's first prompt and a later one of the same size are two graphs. The captured pass is
+``Model.forward``'s own steps (embed, the blocks, norm, output), the blocks chained
+(``Model.chained_blocks``: each block's last residual add also applies the next norm).
 
 A graph's KV storage is the tensors it was captured with. A new cache of the same layout whose
 predecessor is gone adopts them (its contents copied in), so a benchmark's or a chat's fresh
@@ -93,7 +96,6 @@ class _Group:
 
     layers: list  # layer indices
     slots: int  # stored rows (the spare row is index ``slots``)
-    max_inplace: int
     ring: bool
 
 
@@ -145,7 +147,11 @@ class _Graph:
     owner: weakref.ref
     groups: list[_Group]
     stores: list  # (keys, values) per layer, each (slots + 1, KVH, hd)
-    buckets: dict = field(default_factory=dict)
+    buckets: dict = field(default_factory=dict)  # (size, in place per group) -> _Bucket
+
+    def decode_bucket(self) -> _Bucket | None:
+        """The one-token step's bucket (every layer writes it in place), once made."""
+        return next((b for (size, _), b in self.buckets.items() if size == 1), None)
 
 
 def _signature(cache: KVCache) -> tuple:
@@ -264,9 +270,11 @@ class StepGraphs:
         its first use); ``from_device``: the first token is the previous step's argmax.
         ``flip``: fill the bucket's other host set (greedy steps run one step ahead)."""
         positions = cache.begin(len(tokens))  # ContextOverflow as forward would raise it
-        b = g.buckets.get(size)
+        layout = tuple(cache.layers[group.layers[0]].writes_in_place(int(positions[0]), size)
+                       for group in g.groups)
+        b = g.buckets.get((size, layout))
         if b is None:
-            b = g.buckets[size] = self._new_bucket(g, size)
+            b = g.buckets[(size, layout)] = self._new_bucket(g, size, layout)
         if flip:
             b.flip()
         self._advance(g, b, cache, tokens, positions)
@@ -356,7 +364,7 @@ class StepGraphs:
         groups: dict = {}
         for i, layer in enumerate(cache.layers):
             groups.setdefault(layer.plan, []).append(i)
-        group_list = [_Group(ids, plan.slots, plan.max_inplace, plan.is_ring)
+        group_list = [_Group(ids, plan.slots, plan.is_ring)
                       for plan, ids in groups.items()]
         stores = []
         for layer in cache.layers:  # one spare row each, for the pads' writes
@@ -368,10 +376,9 @@ class StepGraphs:
         self._attach(g, cache)
         return g
 
-    def _new_bucket(self, g: _Graph, size: int) -> _Bucket:
+    def _new_bucket(self, g: _Graph, size: int, layout: tuple) -> _Bucket:
         spans, total = [], 0
-        for group in g.groups:
-            in_place = size <= group.max_inplace
+        for in_place, group in zip(layout, g.groups, strict=True):
             width = group.slots + (0 if in_place else size)
             spans.append((total, width, in_place))
             total += size * width
@@ -428,11 +435,10 @@ def _step(model, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
     x = B.embed(model.tok_embd, ids)  # (B, d)
     if model.embed_scale != 1.0:
         x = B.scale(x, model.embed_scale)
-    for i, (block, layer) in enumerate(zip(model.blocks, layers, strict=True)):
-        x = model.block_forward(i, block, x, positions, layer)
+    # each block's last add also applies the next norm (the last block's: the output norm)
+    _, x = model.chained_blocks(x, positions, layers)
     if x.shape[0] > 1:
         x = x.index_select(0, last)  # (1, d)
-    x = B.rms_norm(x, model.output_norm, model.args.norm_eps)
     logits = B.matmul(x, model.output)  # (1, vocab)
     if model.args.final_logit_softcap:
         logits = B.softcap(logits, model.args.final_logit_softcap)

@@ -329,6 +329,44 @@ def _dequant_kernel(out_ptr, ids_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr
 
 
 @triton.jit
+def _dq_gemm_kernel(x_ptr, out_ptr, bias_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr,
+                    M, N, K, nq, ng, nsup, n_chunks,
+                    KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    CH: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out (M, N) f32 = x (M, K) f16 @ W.T (+ bias), W's tiles dequantized to f16 in
+    registers (no dequantized copy of W in memory, one launch). A sum over k may take k in
+    any order: each step multiplies the chunks' low 32 weights with the activations at
+    64c + i, then the high 32 with those at 64c + 32 + i, each as one (BM, CH * 32) x
+    (CH * 32, BN) dot; x is zero past K, which cancels the pad weights."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pid_m * BM + tl.arange(0, BM)
+    rows = pid_n * BN + tl.arange(0, BN)
+    mmask = m < M
+    nmask = rows < N
+    i = tl.arange(0, 32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for c0 in range(0, n_chunks, CH):
+        c = c0 + tl.arange(0, CH)
+        cmask = c < n_chunks
+        w_lo, w_hi = _weights_tile(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr,
+                                   rows.to(tl.int64), nmask, c, cmask, nq, ng, nsup, KIND)
+        k = c[None, :, None] * 64 + i[None, None, :]  # (1, CH, 32): the low halves' k
+        ptr = x_ptr + m.to(tl.int64)[:, None, None] * K + k
+        ok = mmask[:, None, None] & cmask[None, :, None]
+        x_lo = tl.load(ptr, mask=ok & (k < K), other=0.0)  # (BM, CH, 32)
+        x_hi = tl.load(ptr + 32, mask=ok & (k + 32 < K), other=0.0)
+        acc = tl.dot(tl.reshape(x_lo, (BM, CH * 32)),
+                     tl.trans(tl.reshape(w_lo.to(tl.float16), (BN, CH * 32))), acc)
+        acc = tl.dot(tl.reshape(x_hi, (BM, CH * 32)),
+                     tl.trans(tl.reshape(w_hi.to(tl.float16), (BN, CH * 32))), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=nmask, other=0.0)[None, :]
+    out = out_ptr + m.to(tl.int64)[:, None] * N + rows[None, :]
+    tl.store(out, acc, mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
 def _round_kernel(x_ptr, out_ptr, K, BLOCK: tl.constexpr, K_QUANT: tl.constexpr):
     """One block of one row rounded (``_block_q8``): q * d in f32, stored in out's dtype."""
     row = tl.program_id(0).to(tl.int64)
@@ -684,6 +722,26 @@ def dequantize(p: Planes, dtype, ids=None):
     _dequant_kernel[grid](out, ids if ids is not None else p.q, *_plane_args(p), n, p.cols,
                           nq, ng, nsup, n_chunks, KIND=p.kind, BN=bn, CH=ch,
                           GATHER=ids is not None, num_warps=4)
+    return out
+
+
+#: the fused dequantize-GEMM's tile: tokens, weight rows, 64-weight chunks per step, warps
+DQ_GEMM_TILE = (64, 64, 2, 4)
+
+
+def dequantized_matmul(x, p: Planes, bias=None):
+    """x (M, K) f16 contiguous @ W.T (+ bias) -> (M, N) f32: the prompt's GEMM with W's tiles
+    dequantized inside it (``_dq_gemm_kernel``) rather than by ``dequantize`` first."""
+    import torch
+
+    M = x.shape[0]
+    nq, ng, nsup, n_chunks = _geometry(p)
+    bm, bn, ch, warps = DQ_GEMM_TILE
+    out = torch.empty((M, p.rows), dtype=torch.float32, device=x.device)
+    _dq_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(p.rows, bn))](
+        x, out, bias if bias is not None else out, *_plane_args(p), M, p.rows, p.cols, nq,
+        ng, nsup, n_chunks, KIND=p.kind, BM=bm, BN=bn, CH=ch, HAS_BIAS=bias is not None,
+        num_warps=warps)
     return out
 
 

@@ -308,7 +308,7 @@ class Model:
         def op_block(i: int, x):
             attend = partial(self._attention_batch, i, self.blocks[i].attn, positions=positions,
                              bounds=bounds, layers=layer_lists[i])
-            return self.sublayers(self.blocks[i], x, attend)
+            return self.sublayers(self.blocks[i], x, attend)[0]
 
         if len(positions) == len(caches):  # one token a sequence
             x = self.decode_blocks(x, positions, layer_lists, op_block)
@@ -392,16 +392,36 @@ class Model:
                       layer_cache: LayerCache):
         attend = partial(self.attention, i, block.attn, positions=positions,
                          layer_cache=layer_cache)
-        return self.sublayers(block, x, attend)
+        return self.sublayers(block, x, attend)[0]
 
-    def sublayers(self, block: Block, x, attend: Callable[[Any], Any]):
-        """The block's two residual sublayers; ``attend`` maps the normed x to attention's
-        output (one sequence's cache, or each sequence of a batch against its own)."""
+    def chained_blocks(self, x, positions, layers: Sequence) -> tuple[Any, Any]:
+        """x (n, d) through every block op by op, each block's last residual op also
+        normalising its sum for what reads it next (the next block's attn_norm, after the
+        last block the output norm): one launch where the backend fuses ``residual``, not an
+        add and then a norm. Returns (x, x under the output norm). The same arithmetic as
+        ``block_forward`` per block then the output norm; ``layers``: each block's cache."""
         B, eps = self.backend, self.args.norm_eps
+        normed = B.rms_norm(x, self.blocks[0].attn_norm, eps)
+        for i, (block, layer) in enumerate(zip(self.blocks, layers, strict=True)):
+            then = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.output_norm
+            attend = partial(self.attention, i, block.attn, positions=positions,
+                             layer_cache=layer)
+            x, normed = self.sublayers(block, x, attend, normed, then)
+        return x, normed
+
+    def sublayers(self, block: Block, x, attend: Callable[[Any], Any], normed=None,
+                  then_norm=None) -> tuple[Any, Any]:
+        """The block's two residual sublayers; ``attend`` maps the normed x to attention's
+        output (one sequence's cache, or each sequence of a batch against its own).
+        ``normed``: x under the block's attn_norm where the op before made it; ``then_norm``:
+        a norm the last residual op applies to the sum. Returns (x, x under then_norm or
+        None)."""
+        B, eps = self.backend, self.args.norm_eps
+        if normed is None:
+            normed = B.rms_norm(x, block.attn_norm, eps)
         # (each sublayer's output passed straight in: no name keeps it alive past its norm)
-        x, normed = B.residual(x, attend(B.rms_norm(x, block.attn_norm, eps)), eps,
-                               block.post_attn_norm, block.ffn_norm)
-        return B.residual(x, self.mlp(block, normed), eps, block.post_ffn_norm)[0]
+        x, normed = B.residual(x, attend(normed), eps, block.post_attn_norm, block.ffn_norm)
+        return B.residual(x, self.mlp(block, normed), eps, block.post_ffn_norm, then_norm)
 
     def attention(self, i: int, w: AttentionWeights, x, positions: np.ndarray,
                   layer_cache: LayerCache):
