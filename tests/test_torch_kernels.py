@@ -193,6 +193,30 @@ def test_attention_split_kernels(heads, kv_heads, hd, n, T, window, ring, softca
     assert all(not c.any() for c in kernels._split_counters.values())
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd,n,T", [(7, 1, 64, 1, 300), (12, 2, 128, 3, 50),
+                                                   (4, 1, 256, 8, 100), (3, 3, 32, 2, 40)])
+def test_attention_writes_the_output_projections_blocks(heads, kv_heads, hd, n, T):
+    """``quantize=True``: the same output, and its rows (n, H * hd) as the 8-bit blocks that
+    quantize_activations makes of it, bit for bit (per 32; per 256 where H * hd allows:
+    896, 1536, 1024 and 96 columns), written by the last head of each token to be combined
+    (its counter reset too)."""
+    rng = np.random.default_rng(hd + n)
+    q = t(rng.standard_normal((n, heads, hd)).astype(np.float32))
+    k = t(rng.standard_normal((T, kv_heads, hd)).astype(np.float16))
+    v = t(rng.standard_normal((T, kv_heads, hd)).astype(np.float16))
+    mask = t(np.arange(T)[None, :] <= np.arange(T - n, T)[:, None])
+    plain = kernels.attention(q, k, v, mask, hd ** -0.5)
+    out, blocks = kernels.attention(q, k, v, mask, hd ** -0.5, quantize=True)
+    assert torch.equal(out, plain)
+    K = heads * hd
+    padded = -(-K // 64) * 64
+    assert sorted(blocks) == ([32, 256] if K % 256 == 0 else [32])
+    for block, (xq, xd) in blocks.items():
+        wq, wd = kernels.quantize_activations(out.reshape(n, K), block, padded)
+        assert torch.equal(xq, wq) and torch.equal(xd, wd)
+    assert all(not c.any() for c in kernels._split_counters.values())
+
+
 def test_store_kv():
     keys = torch.zeros((6, 2, 8), dtype=torch.float16, device=DEVICE)
     values = torch.zeros_like(keys)
@@ -301,6 +325,38 @@ def test_matmul_after_a_norm_uses_its_blocks(monkeypatch):
             assert not calls
             be.matmul(be.asarray(x), weight)  # not the norm's output
             assert calls
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_0], ids=lambda q: q.name)
+def test_output_projection_takes_the_attentions_blocks(monkeypatch, qtype):
+    """The output projection's mat-vec of attention's output, reshaped (n, H * hd) as the
+    model does, takes the blocks attention wrote in its launch (per 256 against Q4_K, per
+    32 against Q5_0): no quantize launch, the same result as with the launch fusions off;
+    the prior output's blocks are not taken for another tensor of its shape."""
+    from edgellm.backends.torch.backend import TorchBackend
+
+    n, heads, kv_heads, hd, T = 2, 4, 2, 128, 40
+    tensor = random_tensor(qtype, 24, heads * hd, seed=4)
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((n, heads, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((T, kv_heads, hd)).astype(np.float16) for _ in range(2))
+    mask = np.arange(T)[None, :] <= np.arange(T - n, T)[:, None]
+    outs = []
+    for fused in (False, True):
+        be = TorchBackend(device=DEVICE, triton=not torch.cuda.is_available())
+        be.fuse_launches = fused
+        weight = be.prepare(tensor)
+        attn = be.attention(be.asarray(q), be.asarray(k), be.asarray(v), mask, hd ** -0.5)
+        calls = []
+        real = kernels.quantize_activations
+        monkeypatch.setattr(kernels, "quantize_activations",
+                            lambda *a, calls=calls, real=real: calls.append(1) or real(*a))
+        outs.append(be.to_numpy(be.matmul(attn.reshape(n, heads * hd), weight)))
+        assert len(calls) == (0 if fused else 1)
+        be.matmul(attn.reshape(n, heads * hd).clone(), weight)  # same values, other memory
+        assert len(calls) == (1 if fused else 2)
+        monkeypatch.setattr(kernels, "quantize_activations", real)
     np.testing.assert_array_equal(outs[1], outs[0])
 
 

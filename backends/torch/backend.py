@@ -121,6 +121,14 @@ def _mm_writes_f32(device: torch.device) -> bool:
         return False
 
 
+def _same_memory(made: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """Is x the tensor ``made`` or a contiguous view of all of it (the model's reshape of an
+    op's output)? The caller keeps ``made`` alive, so no other tensor can hold its memory."""
+    return made is x or (made is not None and x.data_ptr() == made.data_ptr()
+                         and x.numel() == made.numel() and x.dtype == made.dtype
+                         and x.is_contiguous() and made.is_contiguous())
+
+
 def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.as_subclass(torch.Tensor) if type(x) is not torch.Tensor else x
 
@@ -305,8 +313,8 @@ class TorchBackend(Backend):
         matvec = w.planes is not None and x.shape[0] <= self.kernels.MATVEC_MAX_TOKENS
         key = (block, w.planes.padded if matvec else 0)
         made_with, blocks = self._prequantized
-        if matvec and key not in done and made_with is x and block in blocks:
-            done[key] = blocks[block]  # quantized by the norm or GLU that made x
+        if matvec and key not in done and _same_memory(made_with, x) and block in blocks:
+            done[key] = blocks[block]  # quantized by the norm, GLU or attention that made x
         if key not in done:
             if matvec:
                 done[key] = self.kernels.quantize_activations(x, block, w.planes.padded)
@@ -505,8 +513,14 @@ class TorchBackend(Backend):
             mask = torch.from_numpy(np.ascontiguousarray(mask, dtype=bool)).to(self.device)
         if (self.kernels is not None and n <= self.kernels.ATTENTION_MAX_QUERIES
                 and hd & (hd - 1) == 0):  # decode, speculative checks: one launch
-            return self.kernels.attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                          mask.contiguous(), scale, softcap)
+            args = (q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous(), scale,
+                    softcap)
+            if self._fused() and n <= self.kernels.MATVEC_MAX_TOKENS:
+                # the output projection's 8-bit blocks written in the same launch
+                out, blocks = self.kernels.attention(*args, quantize=True)
+                self._prequantized = (out, blocks)
+                return out
+            return self.kernels.attention(*args)
         kh = k.float().transpose(0, 1)[None]  # (1, KVH, T, hd)
         vh = v.float().transpose(0, 1)[None]
         if softcap or not self.cuda:  # (CPU SDPA with a mask: ~40 ms a decode step)

@@ -289,13 +289,14 @@ def _then_q8_kernel(a_ptr, b_ptr, out_ptr, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
 @triton.jit
 def _store_q8_blocks(y, row, j, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
                      K256: tl.constexpr):
-    """The 256 values y at columns j (of program 1's 256) of a row as a mat-vec's 8-bit
-    blocks, both ways quantize_activations makes them: per 32 (q32 (n, KP) int8, d32
-    (n, KP / 32)) and (K256) per 256, Q8_K (q256, d256: its scale in each of its 8 slots)."""
+    """The 256 values y at columns j (256 in a row, from a multiple of 256) of a row as a
+    mat-vec's 8-bit blocks, both ways quantize_activations makes them: per 32 (q32 (n, KP)
+    int8, d32 (n, KP / 32)) and (K256) per 256, Q8_K (q256, d256: its scale in each of its 8
+    slots)."""
     inside = j < KP
     q32, d32 = _block_q8(tl.reshape(y, (8, 32)), tl.arange(0, 32)[None, :], 32, False)
     tl.store(q32_ptr + row * KP + j, tl.reshape(q32, (256,)).to(tl.int8), mask=inside)
-    g = tl.program_id(1) * 8 + tl.arange(0, 8)
+    g = tl.max(tl.reshape(j // 32, (8, 32)), axis=1)  # (8,) the blocks of 32 (d32's slots)
     tl.store(d32_ptr + row * (KP // 32) + g, d32, mask=g < KP // 32)
     if K256:  # Q8_K per 256
         q, d = _block_q8(tl.reshape(y, (1, 256)), tl.arange(0, 256)[None, :], 256, True)
@@ -508,15 +509,18 @@ def _glu_act(g, GELU: tl.constexpr):
 
 @triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
-                       count_ptr, T, H, KVH, n_splits, scale, softcap, G: tl.constexpr,
-                       HD: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr,
-                       SOFTCAP: tl.constexpr, NS: tl.constexpr):
+                       count_ptr, T, H, KVH, n_splits, scale, softcap, n_rows, q32_ptr,
+                       d32_ptr, q256_ptr, d256_ptr, KP, G: tl.constexpr, HD: tl.constexpr,
+                       BT: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+                       NS: tl.constexpr, QUANT: tl.constexpr, K256: tl.constexpr):
     """Attention of one token's query head over SPLIT key slots: the running max, sum of
     exponentials and weighted sum of values (flash-decoding's partial results), in f32
     from the cache's f16 (or f32) keys and values. A program per (token, head, split):
     enough of them at one token to fill a GPU. The last split of a (token, head) to finish
     (a counter each, as the split-K mat-vec) combines the partial results into the output:
-    no second launch."""
+    no second launch. QUANT: the last head of a token to be combined (a counter per token,
+    after the n_rows heads') also writes the token's output row (H * HD) as the 8-bit
+    blocks of the output projection's mat-vec (``_store_q8_blocks``): no quantize launch."""
     tok = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -556,6 +560,23 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
     if tl.atomic_add(count_ptr + row, 1) == n_splits - 1:  # acq_rel: sees the others'
         _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD, NS)
         tl.atomic_xchg(count_ptr + row, 0)  # ready for the next launch
+        if QUANT:
+            tl.debug_barrier()  # the head's output written before the token's count
+            if tl.atomic_add(count_ptr + n_rows + tok, 1) == H - 1:
+                _row_q8_blocks(out_ptr, tok.to(tl.int64), H * HD, KP, q32_ptr, d32_ptr,
+                               q256_ptr, d256_ptr, K256)
+                tl.atomic_xchg(count_ptr + n_rows + tok, 0)
+
+
+@triton.jit
+def _row_q8_blocks(x_ptr, row, K, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
+                   K256: tl.constexpr):
+    """Row ``row`` of x (n, K) f32, which other programs wrote (read past L1), as a
+    mat-vec's 8-bit blocks (``_store_q8_blocks``, 256 values at a time; zeros past K)."""
+    for c in range(0, KP, 256):
+        j = c + tl.arange(0, 256)
+        y = tl.load(x_ptr + row * K + j, mask=j < K, other=0.0, cache_modifier=".cg")
+        _store_q8_blocks(y, row, j, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K256)
 
 
 @triton.jit
@@ -873,11 +894,12 @@ def glu(gate, up, gelu: bool):
 ATTENTION_MAX_QUERIES = 8
 
 
-def attention(q, k, v, mask, scale: float, softcap: float = 0.0):
+def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool = False):
     """q (n, H, hd) f32 contiguous; k, v (T, KVH, hd) f16 or f32 contiguous; mask (n, T)
     bool -> (n, H, hd) f32. Split over the key slots (flash-decoding: enough programs for a
     GPU at one token), combined by each head's last split to finish, in one launch. hd must
-    be a power of two."""
+    be a power of two. ``quantize``: also the output's rows (n, H * hd) as 8-bit blocks, as
+    ``then_quantize`` returns them: (out, blocks)."""
     import torch
 
     n, H, hd = q.shape
@@ -890,12 +912,16 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0):
     l_s = torch.empty_like(m)
     acc = torch.empty((n, H, n_splits, hd), dtype=torch.float32, device=dev)
     out = torch.empty((n, H, hd), dtype=torch.float32, device=dev)
+    padded, blocks = _q8_outputs(n, H * hd, dev) if quantize else (0, {})
+    q32, d32 = blocks.get(32, (out, out))  # (unwritten without QUANT)
+    q256, d256 = blocks.get(256, (q32, d32))
     _attn_split_kernel[(n, H, n_splits)](
-        q, k, v, mask.view(torch.uint8), m, l_s, acc, out, _counters(dev, n * H), T, H, kvh,
-        n_splits, scale, softcap or 1.0, G=H // kvh, HD=hd, BT=bt, SPLIT=split,
-        SOFTCAP=bool(softcap), NS=max(triton.next_power_of_2(n_splits), 2),
+        q, k, v, mask.view(torch.uint8), m, l_s, acc, out, _counters(dev, n * H + n), T, H,
+        kvh, n_splits, scale, softcap or 1.0, n * H, q32, d32, q256, d256, padded,
+        G=H // kvh, HD=hd, BT=bt, SPLIT=split, SOFTCAP=bool(softcap),
+        NS=max(triton.next_power_of_2(n_splits), 2), QUANT=quantize, K256=256 in blocks,
         num_warps=2 if hd <= 128 else 4)
-    return out
+    return (out, _as_matvec_blocks(blocks)) if quantize else out
 
 
 def store_kv(keys, values, slots, k, v) -> None:
