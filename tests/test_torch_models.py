@@ -160,6 +160,55 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
     assert graphs.captures == (len(g.buckets) if graphs.capture else 0)
 
 
+def test_decode_step_launches(tmp_path, monkeypatch):
+    """A graph's decode step on the GPU path (here its eager twin in the interpreter) is 10
+    triton launches a layer when Q, K and V share a type, and no torch arithmetic between
+    them: the chained blocks' residual launches apply the next norm (no add, no norm
+    launch) and attention writes the output projection's blocks (no quantize launch).
+    Around the layers: the embedding row, the first norm, the output mat-vec."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from edgellm.backends.torch import kernels
+    from edgellm.quants import Q
+
+    monkeypatch.setenv("EDGELLM_FUSE_LAUNCHES", "1")
+    monkeypatch.setenv("EDGELLM_FUSE_QUANTIZE", "1")
+    backend = _graph_backend(triton=True)
+    layers = 3
+    net = _tiny_net(tmp_path, Q.Q8_0, backend, small=True, layers=layers)
+    cache = net.make_cache(64)
+    net.forward(np.arange(1, 17), cache)
+    launched: list[str] = []
+    for name in [n for n in dir(kernels) if n.endswith("_kernel")]:
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, _Counted(real, name, launched))
+    arithmetic: list[str] = []
+
+    class Arithmetic(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # (a norm or residual add in torch; the RoPE angles' one mul a step is allowed)
+            if func.__name__.split(".")[0] in ("add", "div", "rsqrt", "pow", "mean"):
+                arithmetic.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    launched.clear()
+    with Arithmetic():
+        net.forward(np.array([5]), cache)
+    assert "_quantize_kernel" not in launched and not arithmetic, (launched, arithmetic)
+    assert len(launched) == 10 * layers + 3, launched
+
+
+class _Counted:
+    """A triton kernel whose launches (``kernel[grid](...)``) are recorded by name."""
+
+    def __init__(self, kernel, name: str, launched: list):
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("window", [0, 5])
 def test_greedy_tokens_on_the_device_equal_host_argmax(tmp_path, window):
     """Model.greedy_tokens through graphs.py (argmax on the device, each step queued before
