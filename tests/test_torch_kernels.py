@@ -196,8 +196,8 @@ def test_attention_split_kernels(heads, kv_heads, hd, n, T, window, ring, softca
 @pytest.mark.parametrize("heads,kv_heads,hd,n,T", [(7, 1, 64, 1, 300), (12, 2, 128, 3, 50),
                                                    (4, 1, 256, 8, 100), (3, 3, 32, 2, 40)])
 def test_attention_writes_the_output_projections_blocks(heads, kv_heads, hd, n, T):
-    """``quantize=True``: the same output, and its rows (n, H * hd) as the 8-bit blocks that
-    quantize_activations makes of it, bit for bit (per 32; per 256 where H * hd allows:
+    """``quantize=True``: the same output (``_same``), and its rows (n, H * hd) as the 8-bit
+    blocks that quantize_activations makes of it, bit for bit (per 32; per 256 where H * hd allows:
     896, 1536, 1024 and 96 columns), written by the last head of each token to be combined
     (its counter reset too)."""
     rng = np.random.default_rng(hd + n)
@@ -207,7 +207,7 @@ def test_attention_writes_the_output_projections_blocks(heads, kv_heads, hd, n, 
     mask = t(np.arange(T)[None, :] <= np.arange(T - n, T)[:, None])
     plain = kernels.attention(q, k, v, mask, hd ** -0.5)
     out, blocks = kernels.attention(q, k, v, mask, hd ** -0.5, quantize=True)
-    assert torch.equal(out, plain)
+    _same(out, plain, EXACT)
     K = heads * hd
     padded = -(-K // 64) * 64
     assert sorted(blocks) == ([32, 256] if K % 256 == 0 else [32])
