@@ -357,7 +357,11 @@ def test_output_projection_takes_the_attentions_blocks(monkeypatch, qtype):
         be.matmul(attn.reshape(n, heads * hd).clone(), weight)  # same values, other memory
         assert len(calls) == (1 if fused else 2)
         monkeypatch.setattr(kernels, "quantize_activations", real)
-    np.testing.assert_array_equal(outs[1], outs[0])
+    if EXACT:
+        np.testing.assert_array_equal(outs[1], outs[0])
+    else:  # attention's own output may move by ulps (its two compilations), and a value
+        # may then round to the next 8-bit step: 1/127 of its block's peak at most
+        np.testing.assert_allclose(outs[1], outs[0], atol=2e-2 * np.abs(outs[0]).max())
 
 
 def _same(got, want, exact: bool) -> None:
