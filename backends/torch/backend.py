@@ -122,11 +122,13 @@ def _mm_writes_f32(device: torch.device) -> bool:
 
 
 def _same_memory(made: torch.Tensor | None, x: torch.Tensor) -> bool:
-    """Is x the tensor ``made`` or a contiguous view of all of it (the model's reshape of an
-    op's output)? The caller keeps ``made`` alive, so no other tensor can hold its memory."""
+    """Is x the tensor ``made`` or a contiguous view of all of it with the same rows (the
+    model's reshape of an op's output, (n, H, hd) -> (n, H * hd))? The caller keeps ``made``
+    alive, so no other tensor can hold its memory."""
     return made is x or (made is not None and x.data_ptr() == made.data_ptr()
-                         and x.numel() == made.numel() and x.dtype == made.dtype
-                         and x.is_contiguous() and made.is_contiguous())
+                         and x.numel() == made.numel() and x.shape[0] == made.shape[0]
+                         and x.dtype == made.dtype and x.is_contiguous()
+                         and made.is_contiguous())
 
 
 def _plain(x: torch.Tensor) -> torch.Tensor:
