@@ -228,13 +228,15 @@ def test_store_kv():
     assert not keys[[0, 2, 3, 5]].any() and not values[[0, 2, 3, 5]].any()
 
 
-@pytest.mark.parametrize("n", [1, 12])  # the mat-vec; dequantize + GEMM
-def test_matmuls_stack_neighbours_of_one_type(n):
+@pytest.mark.parametrize("n,fused", [(1, False), (12, False), (12, True)])  # the mat-vec;
+def test_matmuls_stack_neighbours_of_one_type(n, fused, monkeypatch):  # GEMM; fused GEMM
     """Q (Q4_K), K (Q4_K), V (Q6_K) with biases: Q and K become one stacked matrix whose
     rows Q's and K's planes then view (no second copy), V stays alone; the mat-vec runs the
-    stack in one launch, a prompt's GEMMs member by member; the results are those of
-    separate matmuls."""
+    stack in one launch, a prompt's GEMMs (or fused dequantize-GEMMs, over the members'
+    views) member by member; the results are those of separate matmuls."""
     from edgellm.backends.torch.backend import TorchBackend
+
+    monkeypatch.setenv("EDGELLM_FUSED_GEMM", "1" if fused else "0")
 
     tensors = [random_tensor(q, rows, 512, seed=rows) for q, rows in
                ((Q.Q4_K, 48), (Q.Q4_K, 16), (Q.Q6_K, 16))]
@@ -244,6 +246,7 @@ def test_matmuls_stack_neighbours_of_one_type(n):
     outs = []
     for stacked in (False, True):
         be = TorchBackend(device=DEVICE, triton=not torch.cuda.is_available())
+        assert be.fused_gemm == fused
         ws = [be.prepare(t_) for t_ in tensors]
         bs = [be.asarray(b) for b in biases]
         if stacked:
