@@ -18,8 +18,10 @@ ring's first prompt interleaved in one process, each against the one before this
 
 Each GEMM variant is its own loaded model (the backend reads its switches when made); the
 ring rule is swapped in place (its graphs are separate buckets). Prints t/s (median over
-rounds, the variants' order rotating each round), the ratio to ``cast/old`` (the code before)
-and the logits' largest difference from it, relative to their peak. Needs CUDA.
+rounds, the variants' order rotating each round), the ratio to ``cast/old`` (the prefill
+before these two changes, but with the launch fusions of the environment:
+EDGELLM_FUSE_LAUNCHES=0 runs all of them without those) and the logits' largest difference
+from it, relative to their peak. Needs CUDA.
 """
 
 from __future__ import annotations
