@@ -149,10 +149,6 @@ class _Graph:
     stores: list  # (keys, values) per layer, each (slots + 1, KVH, hd)
     buckets: dict = field(default_factory=dict)  # (size, in place per group) -> _Bucket
 
-    def decode_bucket(self) -> _Bucket | None:
-        """The one-token step's bucket (every layer writes it in place), once made."""
-        return next((b for (size, _), b in self.buckets.items() if size == 1), None)
-
 
 def _signature(cache: KVCache) -> tuple:
     return tuple((layer.plan, tuple(layer.store.keys.shape), layer.store.keys.dtype)
@@ -205,6 +201,14 @@ class StepGraphs:
         b.host_logits.copy_(b.logits, non_blocking=True)
         torch.cuda.current_stream().synchronize()
         return b.host_logits.numpy().copy()  # the caller's own (the buffer is reused)
+
+    def decode_graph(self, model) -> torch.cuda.CUDAGraph | None:
+        """A captured one-token step of ``model`` (benchmarks replay it alone), if any."""
+        for g in self._graphs.get(id(model), []):
+            for (size, _), b in g.buckets.items():
+                if size == 1 and b.graph is not None:
+                    return b.graph
+        return None
 
     def greedy(self, model, token: int, cache: KVCache) -> Iterator[tuple[int, float]] | None:
         """Greedy decoding after ``token`` (not yet in ``cache``): yields each step's argmax
@@ -436,7 +440,7 @@ def _step(model, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
     if model.embed_scale != 1.0:
         x = B.scale(x, model.embed_scale)
     # each block's last add also applies the next norm (the last block's: the output norm)
-    _, x = model.chained_blocks(x, positions, layers)
+    x = model.chained_blocks(x, positions, layers)
     if x.shape[0] > 1:
         x = x.index_select(0, last)  # (1, d)
     logits = B.matmul(x, model.output)  # (1, vocab)

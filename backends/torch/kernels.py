@@ -6,10 +6,12 @@
   weights' 4-6 bit values packed four to a word, ``dp4a`` for each word, then per group
   ``xd * (scale * sum(u q) + offset * sum(q))``. Matrices with few rows split K among
   programs; the last program of a row block adds the partial sums in a fixed order.
-- ``dequantize``: W (or some of its rows: embedding lookups) to f16/f32, for prefill GEMMs.
+- ``dequantize``: W (or some of its rows: embedding lookups) to f16/f32, for prefill GEMMs;
+  ``dequantized_matmul``: a prefill GEMM with W's tiles dequantized inside it (opt-in).
 - ``round_activations``: x rounded to those 8-bit blocks, in float (the GEMM's input).
 - ``attention``: flash-decoding for <= 8 queries: programs over (token, head, 32 key slots)
-  in f32 from the f16 cache; the last of a head's programs to finish combines them.
+  in f32 from the f16 cache; the last of a head's programs to finish combines them, and
+  the last head of a token may write the row's 8-bit blocks for the output projection.
 - ``rms_norm``, ``rope``, ``glu``, ``store_kv``: one launch each instead of a handful of
   torch ops (in decode, launches rather than bytes set much of the pace).
 
@@ -283,20 +285,21 @@ def _then_q8_kernel(a_ptr, b_ptr, out_ptr, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
         u = tl.load(b_ptr + row * K + j, mask=ok, other=0.0)
         y = _glu_act(a, OP == 2) * u
     tl.store(out_ptr + row * K + j, y, mask=ok)
-    _store_q8_blocks(y, row, j, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K256)
+    _store_q8_blocks(y, row, tl.program_id(1) * 256, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
+                     K256)
 
 
 @triton.jit
-def _store_q8_blocks(y, row, j, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
+def _store_q8_blocks(y, row, j0, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
                      K256: tl.constexpr):
-    """The 256 values y at columns j (256 in a row, from a multiple of 256) of a row as a
-    mat-vec's 8-bit blocks, both ways quantize_activations makes them: per 32 (q32 (n, KP)
-    int8, d32 (n, KP / 32)) and (K256) per 256, Q8_K (q256, d256: its scale in each of its 8
-    slots)."""
+    """The 256 values y at columns j0.. (j0 a multiple of 256) of a row as a mat-vec's 8-bit
+    blocks, both ways quantize_activations makes them: per 32 (q32 (n, KP) int8, d32 (n, KP /
+    32)) and (K256) per 256, Q8_K (q256, d256: its scale in each of its 8 slots)."""
+    j = j0 + tl.arange(0, 256)
     inside = j < KP
     q32, d32 = _block_q8(tl.reshape(y, (8, 32)), tl.arange(0, 32)[None, :], 32, False)
     tl.store(q32_ptr + row * KP + j, tl.reshape(q32, (256,)).to(tl.int8), mask=inside)
-    g = tl.max(tl.reshape(j // 32, (8, 32)), axis=1)  # (8,) the blocks of 32 (d32's slots)
+    g = j0 // 32 + tl.arange(0, 8)  # d32's slots: the blocks of 32
     tl.store(d32_ptr + row * (KP // 32) + g, d32, mask=g < KP // 32)
     if K256:  # Q8_K per 256
         q, d = _block_q8(tl.reshape(y, (1, 256)), tl.arange(0, 256)[None, :], 256, True)
@@ -483,7 +486,8 @@ def _residual_kernel(x_ptr, h_ptr, hw_ptr, w_ptr, sum_ptr, out_ptr, q32_ptr, d32
                                                                           other=0.0)
         tl.store(out_ptr + row * K + j, y, mask=ok)
         if QUANT:
-            _store_q8_blocks(y, row, j, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K256)
+            _store_q8_blocks(y, row, tl.program_id(1) * 256, KP, q32_ptr, d32_ptr, q256_ptr,
+                             d256_ptr, K256)
 
 
 @triton.jit
@@ -576,7 +580,7 @@ def _row_q8_blocks(x_ptr, row, K, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
     for c in range(0, KP, 256):
         j = c + tl.arange(0, 256)
         y = tl.load(x_ptr + row * K + j, mask=j < K, other=0.0, cache_modifier=".cg")
-        _store_q8_blocks(y, row, j, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K256)
+        _store_q8_blocks(y, row, c, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K256)
 
 
 @triton.jit
@@ -801,9 +805,8 @@ def then_quantize(op: str, a, b, eps: float = 0.0):
     n, K = a.shape
     padded, blocks = _q8_outputs(n, K, a.device)
     out = torch.empty_like(a)
-    q256, d256 = blocks.get(256, blocks[32])
     _then_q8_kernel[(n, triton.cdiv(padded, 256))](
-        a, b, out, *blocks[32], q256, d256, K, padded, eps,
+        a, b, out, *_q8_args(blocks, out), K, padded, eps,
         OP={"norm": 0, "silu": 1, "gelu": 2}[op], ROW=triton.next_power_of_2(K),
         K256=256 in blocks,
         num_warps=4 if K >= 1024 or op != "norm" else 1)  # rms_norm's: the same sum, bits
@@ -820,6 +823,13 @@ def _q8_outputs(n: int, K: int, device) -> tuple[int, dict]:
     return padded, {block: (torch.empty((n, padded), dtype=torch.int8, device=device),
                             torch.empty((n, padded // 32), dtype=torch.float32, device=device))
                     for block in ((32, 256) if K % 256 == 0 else (32,))}
+
+
+def _q8_args(blocks: dict, unused) -> tuple:
+    """A quantizing kernel's four block tensors (q32, d32, q256, d256) from ``_q8_outputs``'
+    blocks; ``unused`` stands in for those it does not write (its QUANT or K256 off)."""
+    q32, d32 = blocks.get(32, (unused, unused))
+    return (q32, d32, *blocks.get(256, (q32, d32)))
 
 
 def _as_matvec_blocks(blocks: dict) -> dict:
@@ -866,12 +876,10 @@ def residual(x, h, eps: float, h_norm=None, out_norm=None, quantize: bool = Fals
     quantize = quantize and out_norm is not None
     padded, blocks = _q8_outputs(n, K, x.device) if quantize else (
         triton.cdiv(K, CHUNK) * CHUNK, {})
-    q32, d32 = blocks.get(32, (total, total))  # (unwritten without QUANT)
-    q256, d256 = blocks.get(256, (q32, d32))
     # the row's width as the norms' own launches sum it (same reduction, same bits)
     _residual_kernel[(n, triton.cdiv(padded if quantize else K, 256))](
         x, h, h if h_norm is None else h_norm, x if out_norm is None else out_norm, total,
-        out, q32, d32, q256, d256, K, padded, eps, POST=h_norm is not None,
+        out, *_q8_args(blocks, total), K, padded, eps, POST=h_norm is not None,
         NORM=out_norm is not None, QUANT=quantize, ROW=triton.next_power_of_2(K),
         K256=256 in blocks, num_warps=4 if K >= 1024 else 1)
     normed = out if out_norm is not None else None
@@ -913,11 +921,9 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
     acc = torch.empty((n, H, n_splits, hd), dtype=torch.float32, device=dev)
     out = torch.empty((n, H, hd), dtype=torch.float32, device=dev)
     padded, blocks = _q8_outputs(n, H * hd, dev) if quantize else (0, {})
-    q32, d32 = blocks.get(32, (out, out))  # (unwritten without QUANT)
-    q256, d256 = blocks.get(256, (q32, d32))
     _attn_split_kernel[(n, H, n_splits)](
         q, k, v, mask.view(torch.uint8), m, l_s, acc, out, _counters(dev, n * H + n), T, H,
-        kvh, n_splits, scale, softcap or 1.0, n * H, q32, d32, q256, d256, padded,
+        kvh, n_splits, scale, softcap or 1.0, n * H, *_q8_args(blocks, out), padded,
         G=H // kvh, HD=hd, BT=bt, SPLIT=split, SOFTCAP=bool(softcap),
         NS=max(triton.next_power_of_2(n_splits), 2), QUANT=quantize, K256=256 in blocks,
         num_warps=2 if hd <= 128 else 4)

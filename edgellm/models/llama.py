@@ -390,24 +390,25 @@ class Model:
 
     def block_forward(self, i: int, block: Block, x, positions: np.ndarray,
                       layer_cache: LayerCache):
-        attend = partial(self.attention, i, block.attn, positions=positions,
-                         layer_cache=layer_cache)
-        return self.sublayers(block, x, attend)[0]
+        return self.sublayers(block, x, self._attend(i, positions, layer_cache))[0]
 
-    def chained_blocks(self, x, positions, layers: Sequence) -> tuple[Any, Any]:
-        """x (n, d) through every block op by op, each block's last residual op also
-        normalising its sum for what reads it next (the next block's attn_norm, after the
-        last block the output norm): one launch where the backend fuses ``residual``, not an
-        add and then a norm. Returns (x, x under the output norm). The same arithmetic as
+    def _attend(self, i: int, positions: np.ndarray, layer_cache) -> Callable[[Any], Any]:
+        """Block i's attention of a normed x against one sequence's layer cache."""
+        return partial(self.attention, i, self.blocks[i].attn, positions=positions,
+                       layer_cache=layer_cache)
+
+    def chained_blocks(self, x, positions, layers: Sequence):
+        """x (n, d) through every block op by op, under the output norm at the end. Each
+        block's last residual op also normalises its sum for what reads it next (the next
+        block's attn_norm, after the last block the output norm): one launch where the
+        backend fuses ``residual``, not an add and then a norm. The same arithmetic as
         ``block_forward`` per block then the output norm; ``layers``: each block's cache."""
         B, eps = self.backend, self.args.norm_eps
         normed = B.rms_norm(x, self.blocks[0].attn_norm, eps)
         for i, (block, layer) in enumerate(zip(self.blocks, layers, strict=True)):
             then = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.output_norm
-            attend = partial(self.attention, i, block.attn, positions=positions,
-                             layer_cache=layer)
-            x, normed = self.sublayers(block, x, attend, normed, then)
-        return x, normed
+            x, normed = self.sublayers(block, x, self._attend(i, positions, layer), normed, then)
+        return normed
 
     def sublayers(self, block: Block, x, attend: Callable[[Any], Any], normed=None,
                   then_norm=None) -> tuple[Any, Any]:
