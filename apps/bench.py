@@ -62,6 +62,7 @@ def rows_of(results: list[tuple]) -> list[dict]:
             row["weights+KV on device"] = _gib((rec.device_weight_bytes or 0)
                                                + (rec.kv_bytes or 0))
             row["capture ms"] = f"{1e3 * rec.capture_s:.0f}" if rec.capture_s else ""
+            row["tuning s"] = f"{rec.tune_s:.1f}" if rec.tune_s else ""
         if ref is not None:
             row["llama.cpp t/s"] = f"{ref['mean_ts']:.2f} ± {ref['std_ts']:.2f}"
             row["ratio"] = f"{rec.mean / ref['mean_ts']:.2f}"

@@ -4,7 +4,8 @@ reads another copy of the matrix, more copies than the L2 holds). Needs CUDA.
 
     python benchmarks/torch_matvec.py [--tiles]
 
-Without --tiles: the kernel as configured (kernels.MATVEC_TILES), 1 and 8 tokens. With
+Without --tiles: the kernel as decode runs it (each shape's tile timed at first use,
+``tuning.py``, unless kernels.MATVEC_TILES sets one), 1 and 8 tokens. With
 --tiles: every (rows per program, chunks per step, warps) of a small grid, and for matrices
 that split K every programs-per-multiprocessor target, one token; the best three per matrix
 and the best per type over all matrices (what MATVEC_TILES should hold).

@@ -5,6 +5,8 @@ ring's first prompt interleaved in one process, each against the one before this
 - GEMM ``f32out``: the same GEMM writing its f32 sums (``torch.mm(.., out_dtype)``);
 - GEMM ``fused``: one triton kernel dequantizing W's tiles in registers
   (``kernels.dequantized_matmul``, EDGELLM_FUSED_GEMM=1);
+- GEMM ``tuned``: per shape the fastest of f32out and the fused kernel's tiles, timed at
+  first use (the default: ``tuning.py``; EDGELLM_FUSED_GEMM unset);
 - ring ``old``: a ring layer's prompt longer than its reserve attends over the whole ring
   before the write followed by the new rows (2 x 512 + 64 keys for Gemma 3's pp512);
 - ring ``new``: before the first wrap it is written in place and attends over the slots
@@ -39,7 +41,8 @@ from edgellm.cache import LayerCache
 
 GEMMS = {"cast": {"EDGELLM_GEMM_F32_OUT": "0", "EDGELLM_FUSED_GEMM": "0"},
          "f32out": {"EDGELLM_GEMM_F32_OUT": "1", "EDGELLM_FUSED_GEMM": "0"},
-         "fused": {"EDGELLM_GEMM_F32_OUT": "1", "EDGELLM_FUSED_GEMM": "1"}}
+         "fused": {"EDGELLM_GEMM_F32_OUT": "1", "EDGELLM_FUSED_GEMM": "1"},
+         "tuned": {"EDGELLM_GEMM_F32_OUT": "1", "EDGELLM_FUSED_GEMM": ""}}
 NEW_RING = LayerCache.writes_in_place
 
 

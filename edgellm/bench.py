@@ -4,7 +4,8 @@
 (``pp512``: one forward pass over a 512-token prompt; ``tg128``: 128 single-token forward
 passes from an empty cache), each with its per-repetition samples; a warm-up run of each test
 is excluded (and with it a device backend's kernel compilation and CUDA-graph capture, whose
-time per capture is reported apart, as ``capture_s``). ``llama_bench`` runs llama.cpp's
+time per capture is reported apart, as ``capture_s``, and its first-use timing of kernel
+variants as ``tune_s``). ``llama_bench`` runs llama.cpp's
 llama-bench on the same file for comparison. This module returns records; apps/bench.py
 prints them.
 """
@@ -47,6 +48,7 @@ class BenchRecord:
     device_weight_bytes: int | None = None
     kv_bytes: int | None = None
     capture_s: float | None = None
+    tune_s: float | None = None  # kernel variants timed at first use (0 when remembered)
 
     @property
     def mean(self) -> float:
@@ -196,6 +198,7 @@ def bench_model(model: str, backend: str = "auto", threads: int | None = None,
     tensors = header.tensors
     net, be = loaded.net, loaded.backend
     on_device = getattr(be, "device_memory", lambda: None)()  # after load: the weights
+    tuned_before = getattr(be, "tuning_seconds", lambda: 0.0)()  # (per process, not model)
     described = getattr(be, "device_name", None)
     common = dict(model=loaded.name, size=header.gguf_bytes,
                   params=sum(t.n_elements for t in tensors.values()),
@@ -237,6 +240,8 @@ def bench_model(model: str, backend: str = "auto", threads: int | None = None,
             r.kv_bytes = make_cache().nbytes
         if graphs is not None and getattr(graphs, "captures", 0):
             r.capture_s = graphs.capture_seconds / graphs.captures
+        if hasattr(be, "tuning_seconds"):
+            r.tune_s = be.tuning_seconds() - tuned_before
     return records
 
 

@@ -95,6 +95,95 @@ def test_qmatvec_split_k(qtype):
     assert all(not c.any() for c in kernels._split_counters.values())
 
 
+class _ScriptedTuner:
+    """A tuner whose timings are given: candidate i takes times[i] (records what it timed)."""
+
+    def __init__(self, fastest: int):
+        from edgellm.backends.torch.tuning import Tuner
+
+        self.fastest, self.timed = fastest, []
+        self.tuner = Tuner(None, "test", self._timer, lambda: False)
+
+    def _timer(self, run):
+        run()
+        self.timed.append(len(self.timed))
+        return 1.0 if len(self.timed) - 1 == self.fastest else 2.0
+
+
+@pytest.mark.parametrize("qtype,rows,cols", [(Q.Q4_K, 5, 1536), (Q.Q5_0, 9, 640),
+                                             (Q.Q6_K, 3, 4096)], ids=["q4k", "q50", "q6k-split"])
+def test_every_matvec_candidate_computes_the_product(qtype, rows, cols, monkeypatch):
+    """Each tile a GPU may time and keep (one pass over K or steps of it, split K or not),
+    and qmatvec runs the one the tuner keeps for the shape."""
+    n_chunks = cols // 64
+    candidates = kernels.matvec_candidates(n_chunks)
+    assert len(set(candidates)) == len(candidates)
+    if n_chunks < kernels.SPLIT_MIN_CHUNKS:  # the one-pass tile is among them
+        assert any(ch >= n_chunks for _, ch, _, _ in candidates)
+    tensor = random_tensor(qtype, rows, cols, seed=rows)
+    w = dequantize(tensor.data, qtype).reshape(rows, cols)
+    p = uploaded(tensor, rows, cols)
+    x = np.random.default_rng(rows).standard_normal((2, cols)).astype(np.float32)
+    xq, xd = kernels.quantize_activations(t(x), 256 if qtype in K_QUANTS else 32, p.padded)
+    want = round_activations_like_ggml(x, qtype) @ w.T
+    for tile in candidates:
+        got = kernels._qmatvec(xq, xd, p, None, tile).cpu().numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=str(tile))
+    scripted = _ScriptedTuner(fastest=len(candidates) - 1)
+    monkeypatch.setitem(kernels._tuners, str(xq.device), scripted.tuner)
+    np.testing.assert_allclose(kernels.qmatvec(xq, xd, p).cpu().numpy(), want, rtol=1e-4,
+                               atol=1e-4)
+    assert scripted.timed == list(range(len(candidates)))
+    key = f"matvec:{KINDS[qtype]}:{rows}:{n_chunks}:2"
+    assert scripted.tuner._choices == {key: candidates[-1]}
+    assert all(not c.any() for c in kernels._split_counters.values())
+
+
+def test_prompt_matmul_runs_the_tuners_choice(monkeypatch):
+    """Every prompt GEMM a GPU may time (dequantize + torch's GEMM, the fused kernel in each
+    of its tiles) gives the product, and with a tuner prompt_matmul keeps the fastest."""
+    rows, cols, M = 70, 512, 12
+    tensor = random_tensor(Q.Q4_K, rows, cols, seed=8)
+    w = dequantize(tensor.data, Q.Q4_K).reshape(rows, cols).astype(np.float16)
+    p = uploaded(tensor, rows, cols)
+    x = np.random.default_rng(8).standard_normal((M, cols)).astype(np.float16)
+    bias = np.linspace(-1, 1, rows, dtype=np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64).T + bias
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32  # the backend's GEMM dtype
+    xg = t(x).to(dtype)
+    for i, choice in enumerate(kernels.GEMM_CANDIDATES):
+        scripted = _ScriptedTuner(fastest=i)
+        monkeypatch.setitem(kernels._tuners, str(xg.device), scripted.tuner)
+        got = kernels.prompt_matmul(xg, p, t(bias))
+        assert got.dtype == torch.float32
+        assert np.abs(got.cpu().numpy() - want).max() <= 1e-3 * np.abs(want).max(), choice
+        assert scripted.tuner._choices == {f"gemm:5:{rows}:{cols}:16": choice}
+    monkeypatch.delitem(kernels._tuners, str(xg.device))
+    if DEVICE == "cpu":  # nothing is timed without a GPU: the GEMM runs
+        assert kernels.tuner_for(xg.device) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times launches on a GPU: CUDA")
+def test_tuning_times_on_the_gpu(tmp_path, monkeypatch):
+    """The real timer (L2 flushed, median of launches) on the 1.5B's Q+K shape: a candidate
+    is kept and saved, and qmatvec gives the default tile's product with it."""
+    from edgellm.backends.torch.tuning import Tuner
+
+    rows, cols = 1792, 1536
+    tensor = random_tensor(Q.Q4_K, rows, cols, seed=1)
+    p = uploaded(tensor, rows, cols)
+    x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
+    xq, xd = kernels.quantize_activations(t(x), 256, p.padded)
+    want = kernels._qmatvec(xq, xd, p, None, kernels._default_tile(p, cols // 64))
+    tuner = Tuner(tmp_path / "gpu.json", "test")
+    monkeypatch.setitem(kernels._tuners, str(xq.device), tuner)
+    got = kernels.qmatvec(xq, xd, p)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    (key, tile), = tuner._choices.items()
+    assert tile in kernels.matvec_candidates(cols // 64) and tuner.seconds > 0
+    assert (tmp_path / "gpu.json").is_file()
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_dequantize_and_gather(qtype):
     rows, cols = 21, (256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 96)

@@ -198,11 +198,11 @@ class TorchBackend(Backend):
         self.fuse_quantize = os.environ.get("EDGELLM_FUSE_QUANTIZE", "1") != "0"
         # Q/K norms + RoPE, and a sublayer's residual add + norms, one launch each
         self.fuse_launches = os.environ.get("EDGELLM_FUSE_LAUNCHES", "1") != "0"
-        #: a prompt's GEMMs dequantize W's tiles inside one triton kernel (no f16 copy of W
-        #: and no dequantize launch). Off until measured against dequantize + cuBLAS on a
-        #: GPU (benchmarks/torch_prefill_ab.py); EDGELLM_FUSED_GEMM=1 turns it on
-        self.fused_gemm = (self.kernels is not None
-                           and os.environ.get("EDGELLM_FUSED_GEMM", "0") == "1")
+        #: a prompt's GEMM: W's tiles dequantized inside one triton kernel (True: no f16
+        #: copy of W, no dequantize launch), or W dequantized for torch's GEMM (False), or
+        #: on a GPU whichever is faster for the shape, timed at its first use (None; the
+        #: GEMM where nothing is timed). EDGELLM_FUSED_GEMM=1 / 0 forces one
+        self.fused_gemm = {"1": True, "0": False}.get(os.environ.get("EDGELLM_FUSED_GEMM", ""))
         self.graphs = None
         if graphs is None:
             graphs = self.cuda and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0"
@@ -276,8 +276,15 @@ class TorchBackend(Backend):
     def device_memory(self) -> dict[str, int] | None:
         if not self.cuda:
             return None
+        from .tuning import peak_memory
+
         return {"active": int(torch.cuda.memory_allocated(self.device)),
-                "peak": int(torch.cuda.max_memory_allocated(self.device))}
+                "peak": peak_memory(self.device)}
+
+    def tuning_seconds(self) -> float:
+        """Seconds this process spent timing kernel variants on this device (``tuning.py``)."""
+        tuner = self.kernels.tuner_for(self.device) if self.kernels is not None else None
+        return tuner.seconds if tuner is not None else 0.0
 
     def write_rows(self, dst: torch.Tensor, rows, src) -> None:
         """dst[rows] = src, converted to dst's dtype (the KV cache's writes)."""
@@ -394,15 +401,8 @@ class TorchBackend(Backend):
         if w.dense is not None:
             out = xa @ w.dense.T
             return out + bias if bias is not None else out
-        if self.fused_gemm:
-            return self.kernels.dequantized_matmul(xa.to(torch.float16), w.planes, bias)
-        dense = self.kernels.dequantize(w.planes, self._gemm_dtype)  # (rows, cols)
-        xa = xa.to(self._gemm_dtype)
-        if self._gemm_writes_f32:  # (n, rows) f32 from f32 sums: no f16 rounding, no cast
-            out = torch.mm(xa, dense.T, out_dtype=torch.float32)
-        else:
-            out = (xa @ dense.T).float()
-        return out + bias if bias is not None else out
+        return self.kernels.prompt_matmul(xa.to(self._gemm_dtype), w.planes, bias,
+                                          self.fused_gemm, self._gemm_writes_f32)
 
     def _like_ggml(self, fn, *args) -> torch.Tensor:
         """numpy-ggml's ``fn`` over CPU tensors (numpy views of them, no copies)."""

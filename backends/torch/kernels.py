@@ -7,7 +7,9 @@
   ``xd * (scale * sum(u q) + offset * sum(q))``. Matrices with few rows split K among
   programs; the last program of a row block adds the partial sums in a fixed order.
 - ``dequantize``: W (or some of its rows: embedding lookups) to f16/f32, for prefill GEMMs;
-  ``dequantized_matmul``: a prefill GEMM with W's tiles dequantized inside it (opt-in).
+  ``dequantized_matmul``: a prefill GEMM with W's tiles dequantized inside it.
+  ``prompt_matmul`` takes one or the other; on a GPU it and the mat-vec's tile are timed
+  per shape at first use (``tuning.py``, through ``tuner_for``).
 - ``round_activations``: x rounded to those 8-bit blocks, in float (the GEMM's input).
 - ``attention``: flash-decoding for <= 8 queries: programs over (token, head, 32 key slots)
   in f32 from the f16 cache; the last of a head's programs to finish combines them, and
@@ -639,10 +641,12 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 #: 1.5B's and 0.5B's matrices on an H100 (benchmarks/torch_matvec.py --tiles: cold weights,
 #: launches replayed from a CUDA graph): up to K = 4096 rows alone fill the GPU best (a
 #: split costs more than it gains), small tiles for few rows; longer rows (the down
-#: projections) split K until ~PROGRAMS_PER_SM programs run per multiprocessor.
+#: projections) split K until ~PROGRAMS_PER_SM programs run per multiprocessor. These are
+#: the defaults; on a GPU each shape's tile is timed among ``matvec_candidates`` at its
+#: first use (``tuning.py``).
 SPLIT_MIN_CHUNKS = 64
 PROGRAMS_PER_SM = 8
-#: a tile per block type that overrides ``matvec_tile`` (the sweep sets it)
+#: a tile per block type that overrides ``matvec_tile`` and the tuning (sweeps, tests)
 MATVEC_TILES: dict[int, tuple[int, int, int]] = {}
 
 
@@ -652,6 +656,53 @@ def matvec_tile(rows: int, n_chunks: int) -> tuple[int, int, int]:
     if n_chunks >= SPLIT_MIN_CHUNKS or rows >= 4096 or _INTERPRETING:
         return 16, 8, 4
     return (4, 8, 4) if rows > 512 else (2, 8, 4)
+
+
+def matvec_candidates(n_chunks: int) -> list[tuple[int, int, int, int]]:
+    """Tiles (rows per program, chunks per step, warps, programs per multiprocessor that a K
+    split aims at, 0: none) a GPU times for rows of ``n_chunks`` chunks. Short rows: 2-16
+    rows a program, K in steps of 8 or 16 chunks or in one pass (small matrices are
+    latency-bound: fewer dependent loads); long rows: larger tiles, split K or not."""
+    if n_chunks >= SPLIT_MIN_CHUNKS:
+        return [(bn, ch, 4, per_sm) for bn, ch in ((8, 8), (16, 8), (16, 16), (32, 8))
+                for per_sm in (0, 8, 16)]
+    steps = sorted({min(ch, triton.next_power_of_2(n_chunks)) for ch in (8, 16, 32)})
+    return [*((bn, ch, 4, 0) for bn in (2, 4, 8, 16) for ch in steps), (16, steps[-1], 8, 0)]
+
+
+def _default_tile(p: Planes, n_chunks: int) -> tuple[int, int, int, int]:
+    bn, ch, warps = MATVEC_TILES.get(p.kind) or matvec_tile(p.rows, n_chunks)
+    return bn, ch, warps, (PROGRAMS_PER_SM if n_chunks >= SPLIT_MIN_CHUNKS else 0)
+
+
+#: Tuners by device (``tuning.Tuner``); tests install their own
+_tuners: dict = {}
+
+
+def tuner_for(device):
+    """The device's ``Tuner``: one per CUDA device, choices saved per card under
+    ``$EDGELLM_HOME/tuning``; None elsewhere and with ``EDGELLM_TUNE=0`` (defaults run)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one tuner
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = str(device)
+    if key in _tuners:
+        return _tuners[key]
+    if device.type != "cuda" or os.environ.get("EDGELLM_TUNE", "1") == "0":
+        return None
+
+    from edgellm.store import edgellm_home
+
+    from .tuning import KERNELS_VERSION, Tuner, device_file
+
+    name = torch.cuda.get_device_name(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    version = (f"{name} sm{major}{minor} triton {triton.__version__} torch "
+               f"{torch.__version__} kernels {KERNELS_VERSION}")
+    _tuners[key] = Tuner(device_file(edgellm_home(), name), version)
+    return _tuners[key]
 
 
 _sm_counts: dict = {}
@@ -709,15 +760,26 @@ def quantize_activations(x, block: int, padded: int):
 
 def qmatvec(xq, xd, p: Planes, bias=None):
     """x @ W.T (+ bias) -> (n, N) f32 for n <= 8 tokens, x as ``quantize_activations``
-    gives it (blocks of the size the weight type is multiplied with)."""
+    gives it (blocks of the size the weight type is multiplied with). On a GPU the tile is
+    the fastest of ``matvec_candidates`` for this shape and token count (timed once)."""
+    n_chunks = p.padded // CHUNK
+    tile = _default_tile(p, n_chunks)
+    tuner = None if p.kind in MATVEC_TILES else tuner_for(xq.device)
+    if tuner is not None:
+        key = ("matvec", p.kind, p.rows, n_chunks, triton.next_power_of_2(xq.shape[0]))
+        tile = tuner.choose(key, matvec_candidates(n_chunks),
+                            lambda t: _qmatvec(xq, xd, p, bias, t), tile)
+    return _qmatvec(xq, xd, p, bias, tile)
+
+
+def _qmatvec(xq, xd, p: Planes, bias, tile: tuple[int, int, int, int]):
     import torch
 
     n = xq.shape[0]
     nq, ng, nsup, n_chunks = _geometry(p)
-    bn, ch, warps = MATVEC_TILES.get(p.kind) or matvec_tile(p.rows, n_chunks)
+    bn, ch, warps, per_sm = tile
     programs = triton.cdiv(p.rows, bn)
-    wanted = (1 if n_chunks < SPLIT_MIN_CHUNKS
-              else triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(xq.device), programs))
+    wanted = triton.cdiv(per_sm * _multiprocessors(xq.device), programs)
     splits = max(1, min(triton.cdiv(n_chunks, ch), wanted))
     cps = triton.cdiv(triton.cdiv(n_chunks, splits), ch) * ch  # chunks per split
     splits = triton.cdiv(n_chunks, cps)
@@ -752,16 +814,52 @@ def dequantize(p: Planes, dtype, ids=None):
 
 #: the fused dequantize-GEMM's tile: tokens, weight rows, 64-weight chunks per step, warps
 DQ_GEMM_TILE = (64, 64, 2, 4)
+#: what a GPU times for a prompt's GEMM: dequantize + cuBLAS, or the fused kernel's tiles
+GEMM_CANDIDATES = ("cublas", DQ_GEMM_TILE, (128, 64, 2, 8), (64, 128, 2, 4), (128, 128, 1, 8))
 
 
-def dequantized_matmul(x, p: Planes, bias=None):
-    """x (M, K) f16 contiguous @ W.T (+ bias) -> (M, N) f32: the prompt's GEMM with W's tiles
-    dequantized inside it (``_dq_gemm_kernel``) rather than by ``dequantize`` first."""
+def prompt_matmul(x, p: Planes, bias=None, fused: bool | None = None,
+                  f32_out: bool = False):
+    """x (M, K) @ W.T (+ bias) -> (M, N) f32 for a prompt (x rounded to 8-bit blocks, in
+    the GEMM's dtype: f16 on a GPU). ``fused`` True: ``dequantized_matmul``; False: W
+    dequantized to x's dtype for torch's GEMM (``f32_out``: cuBLAS writes the f32 sums, no
+    cast after it); None: on a GPU the faster of these (and the fused kernel's tiles) for
+    this shape, timed once; elsewhere the GEMM."""
+    def run(choice):
+        if choice == "cublas":
+            return _dequantize_mm(x, p, bias, f32_out)
+        return dequantized_matmul(x, p, bias, choice)
+
+    if fused is not None:
+        return run(DQ_GEMM_TILE if fused else "cublas")
+    tuner = tuner_for(x.device)
+    if tuner is None:
+        return run("cublas")
+    key = ("gemm", p.kind, p.rows, p.cols, triton.next_power_of_2(x.shape[0]))
+    return run(tuner.choose(key, GEMM_CANDIDATES, run, "cublas"))
+
+
+def _dequantize_mm(x, p: Planes, bias, f32_out: bool):
     import torch
 
+    dense = dequantize(p, x.dtype)  # (rows, cols)
+    if f32_out:  # (n, rows) f32 from f32 sums: no rounding to x's dtype, no cast
+        out = torch.mm(x, dense.T, out_dtype=torch.float32)
+    else:
+        out = (x @ dense.T).float()
+    return out + bias if bias is not None else out
+
+
+def dequantized_matmul(x, p: Planes, bias=None, tile: tuple | None = None):
+    """x (M, K) @ W.T (+ bias) -> (M, N) f32 (x's values as f16): the prompt's GEMM with
+    W's tiles dequantized inside it (``_dq_gemm_kernel``) rather than by ``dequantize``
+    first; ``tile`` (tokens, rows, chunks per step, warps) defaults to DQ_GEMM_TILE."""
+    import torch
+
+    x = x.to(torch.float16).contiguous()
     M = x.shape[0]
     nq, ng, nsup, n_chunks = _geometry(p)
-    bm, bn, ch, warps = DQ_GEMM_TILE
+    bm, bn, ch, warps = tile or DQ_GEMM_TILE
     out = torch.empty((M, p.rows), dtype=torch.float32, device=x.device)
     _dq_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(p.rows, bn))](
         x, out, bias if bias is not None else out, *_plane_args(p), M, p.rows, p.cols, nq,
