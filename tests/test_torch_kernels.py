@@ -163,6 +163,26 @@ def test_prompt_matmul_runs_the_tuners_choice(monkeypatch):
         assert kernels.tuner_for(xg.device) is None
 
 
+def test_one_tuner_per_card_saved_under_edgellm_home(tmp_path, monkeypatch):
+    """tuner_for on a GPU (the CUDA queries stubbed): "cuda" and "cuda:0" share a tuner
+    whose file is named after the card and whose version names card, triton, torch and the
+    kernels; EDGELLM_TUNE=0 and the CPU get none."""
+    monkeypatch.setattr(kernels, "_tuners", {})
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
+    monkeypatch.setenv("EDGELLM_TUNE", "0")
+    assert kernels.tuner_for(torch.device("cuda")) is None
+    monkeypatch.delenv("EDGELLM_TUNE")
+    tuner = kernels.tuner_for(torch.device("cuda"))
+    assert kernels.tuner_for("cuda:0") is tuner
+    assert tuner.path == tmp_path / "tuning" / "nvidia-h100-80gb-hbm3.json"
+    assert tuner.version.startswith("NVIDIA H100 80GB HBM3 sm90 triton ")
+    assert f"torch {torch.__version__}" in tuner.version
+    assert kernels.tuner_for(torch.device("cpu")) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times launches on a GPU: CUDA")
 def test_tuning_times_on_the_gpu(tmp_path, monkeypatch):
     """The real timer (L2 flushed, median of launches) on the 1.5B's Q+K shape: a candidate
