@@ -134,7 +134,7 @@ def test_every_matvec_candidate_computes_the_product(qtype, rows, cols, monkeypa
     np.testing.assert_allclose(kernels.qmatvec(xq, xd, p).cpu().numpy(), want, rtol=1e-4,
                                atol=1e-4)
     assert scripted.timed == list(range(len(candidates)))
-    key = f"matvec:{KINDS[qtype]}:{rows}:{n_chunks}:2"
+    key = f"matvec:{KINDS[qtype]}:{rows}:{n_chunks}"
     assert scripted.tuner._choices == {key: candidates[-1]}
     assert all(not c.any() for c in kernels._split_counters.values())
 

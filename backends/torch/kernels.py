@@ -667,7 +667,8 @@ def matvec_candidates(n_chunks: int) -> list[tuple[int, int, int, int]]:
         return [(bn, ch, 4, per_sm) for bn, ch in ((8, 8), (16, 8), (16, 16), (32, 8))
                 for per_sm in (0, 8, 16)]
     steps = sorted({min(ch, triton.next_power_of_2(n_chunks)) for ch in (8, 16, 32)})
-    return [*((bn, ch, 4, 0) for bn in (2, 4, 8, 16) for ch in steps), (16, steps[-1], 8, 0)]
+    return [(bn, ch, 4 if bn * ch <= 128 else 8, 0) for bn in (2, 4, 8, 16, 32)
+            for ch in steps]
 
 
 def _default_tile(p: Planes, n_chunks: int) -> tuple[int, int, int, int]:
@@ -761,12 +762,13 @@ def quantize_activations(x, block: int, padded: int):
 def qmatvec(xq, xd, p: Planes, bias=None):
     """x @ W.T (+ bias) -> (n, N) f32 for n <= 8 tokens, x as ``quantize_activations``
     gives it (blocks of the size the weight type is multiplied with). On a GPU the tile is
-    the fastest of ``matvec_candidates`` for this shape and token count (timed once)."""
+    the fastest of ``matvec_candidates`` for this matrix shape (timed once)."""
     n_chunks = p.padded // CHUNK
     tile = _default_tile(p, n_chunks)
     tuner = None if p.kind in MATVEC_TILES else tuner_for(xq.device)
-    if tuner is not None:
-        key = ("matvec", p.kind, p.rows, n_chunks, triton.next_power_of_2(xq.shape[0]))
+    if tuner is not None:  # (timed at the first token count met, usually decode's one:
+        # a tile per count would compile every candidate for each of 1..8 tokens)
+        key = ("matvec", p.kind, p.rows, n_chunks)
         tile = tuner.choose(key, matvec_candidates(n_chunks),
                             lambda t: _qmatvec(xq, xd, p, bias, t), tile)
     return _qmatvec(xq, xd, p, bias, tile)
