@@ -302,6 +302,53 @@ def test_attention_split_kernels(heads, kv_heads, hd, n, T, window, ring, softca
     assert all(not c.any() for c in kernels._split_counters.values())
 
 
+def _prompt_case(heads, kv_heads, hd, n, T, window, ring, seed=0):
+    rng = np.random.default_rng(seed + T + heads)
+    q = rng.standard_normal((n, heads, hd)).astype(np.float32) * 3  # peaked softmaxes too
+    k = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
+    v = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
+    qpos = np.arange(T - n, T)[:, None]
+    kpos = np.arange(T)[None, :]
+    if ring:
+        kpos = np.roll(kpos, 37, axis=1)
+    mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd,n,T,window,ring", [
+    (4, 1, 256, 40, 40, 0, False),  # Gemma 3's heads, a first prompt (causal, in place)
+    (4, 1, 256, 21, 60, 16, True),  # a window over ring slots out of position order
+    (12, 2, 128, 37, 50, 0, False),  # the 1.5B's: groups of 6, rows past the last tile
+    (14, 2, 64, 9, 9, 0, False), (3, 3, 16, 70, 75, 0, False)])
+@pytest.mark.parametrize("tile", [kernels.FLASH_TILES[0], (16, 16, 4)], ids=["default", "small"])
+def test_flash_prompt_attention(heads, kv_heads, hd, n, T, window, ring, tile):
+    """The prompt's flash attention (f16 parts of the f32 queries and probabilities on
+    tensor cores against the f16 cache, f32 softmax) against the numpy reference: GQA,
+    causal and windowed masks (tiles hidden from every row skipped), partial tiles."""
+    q, k, v, mask = _prompt_case(heads, kv_heads, hd, n, T, window, ring)
+    got = kernels.flash_prompt_attention(t(q), t(k), t(v), t(mask), hd ** -0.5, tile)
+    want = REF.attention(q, k, v, mask, hd ** -0.5)
+    np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_attention_runs_the_tuners_choice(monkeypatch):
+    """A prompt's attention on the GPU path: the default (SDPA on a GPU, the explicit ops
+    here) or the flash kernel in each of its tiles, as the tuner keeps; the same result."""
+    from edgellm.backends.torch.backend import TorchBackend
+
+    be = TorchBackend(device=DEVICE, triton=DEVICE == "cpu", graphs=False)
+    q, k, v, mask = _prompt_case(4, 1, 256, 24, 30, 0, False, seed=3)
+    want = REF.attention(q, k, v, mask, 0.0625)
+    choices = ("default", *kernels.FLASH_TILES)
+    for i, choice in enumerate(choices):
+        scripted = _ScriptedTuner(fastest=i)
+        monkeypatch.setitem(kernels._tuners, str(be.device), scripted.tuner)
+        got = be.attention(be.asarray(q), t(k), t(v), mask, 0.0625)
+        np.testing.assert_allclose(be.to_numpy(got), want, rtol=1e-5, atol=1e-5)
+        assert scripted.tuner._choices == {"attention:1:4:256:32:32": choice}
+        assert len(scripted.timed) == len(choices)
+
+
 @pytest.mark.parametrize("heads,kv_heads,hd,n,T", [(7, 1, 64, 1, 300), (12, 2, 128, 3, 50),
                                                    (4, 1, 256, 8, 100), (3, 3, 32, 2, 40)])
 def test_attention_writes_the_output_projections_blocks(heads, kv_heads, hd, n, T):

@@ -280,21 +280,47 @@ def test_stream_generate_greedy_uses_device_argmax(tmp_path, monkeypatch):
     assert cache.offset == cache_host.offset == 4 + 5
 
 
-@pytest.mark.parametrize("fused_gemm", [False, True], ids=["dequantize-gemm", "fused-gemm"])
-def test_triton_path_follows_cpu_torch(tmp_path, monkeypatch, fused_gemm):
+def _second_choice_tuner():
+    """A tuner that keeps every shape's second candidate (a mat-vec tile other than the
+    first, the fused GEMM, the flash prompt attention): the tuned paths end to end."""
+    from edgellm.backends.torch.tuning import Tuner
+
+    timed = []
+
+    def timer(run):
+        run()
+        timed.append(1)
+        return 1.0 if len(timed) == 2 else 2.0
+
+    def choose(key, candidates, run, default):
+        timed.clear()
+        return Tuner.choose(tuner, key, candidates, run, default)
+
+    tuner = Tuner(None, "test", timer, lambda: False)
+    tuner.choose = choose
+    return tuner
+
+
+@pytest.mark.parametrize("gemm", ["dequantize", "fused", "tuned"],
+                         ids=["dequantize-gemm", "fused-gemm", "tuned"])
+def test_triton_path_follows_cpu_torch(tmp_path, monkeypatch, gemm):
     """The GPU path (packed planes, triton mat-vec for <= 8 tokens, dequantized GEMM tiles
     above, or the fused dequantize-GEMM, triton norms/RoPE/GLUs), here in triton's
     interpreter unless there is a GPU, against CPU torch's f32 weights: a 12-token prompt
-    and 2 decode steps."""
-    from edgellm.backends.torch import TorchBackend
+    and 2 decode steps. ``tuned``: every shape takes the tuner's second candidate (another
+    mat-vec tile, the fused GEMM, the flash prompt attention)."""
+    from edgellm.backends.torch import TorchBackend, kernels
     from edgellm.quants import Q
 
     if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton's interpreter was not enabled before triton was imported")
     pytest.importorskip("triton")
-    monkeypatch.setenv("EDGELLM_FUSED_GEMM", "1" if fused_gemm else "0")
+    monkeypatch.setenv("EDGELLM_FUSED_GEMM", {"dequantize": "0", "fused": "1"}.get(gemm, ""))
     fast = TorchBackend(graphs=False) if CUDA else TorchBackend(device="cpu", triton=True)
-    assert fast.fused_gemm == fused_gemm
+    tuner = _second_choice_tuner()
+    if gemm == "tuned":
+        monkeypatch.setattr(kernels, "tuner_for", lambda device: tuner)
+    assert fast.fused_gemm == ({"dequantize": False, "fused": True}.get(gemm))
     outs = []
     for backend in (fast, TorchBackend(device="cpu", ggml_numerics=False)):
         net = _tiny_net(tmp_path, Q.Q4_0, backend, small=not CUDA)  # (the interpreter is slow)
@@ -305,7 +331,14 @@ def test_triton_path_follows_cpu_torch(tmp_path, monkeypatch, fused_gemm):
     assert np.array_equal(fast_out.argmax(-1), cpu.argmax(-1))
     # the prefill GEMM in f16 on a GPU and in the fused kernel (the interpreter too); the
     # same f32 arithmetic in the interpreter's dequantize + GEMM
-    f16 = CUDA or fused_gemm
+    if gemm == "tuned":  # the three kinds of choice were made, each the second candidate
+        second = {"gemm": lambda key: kernels.GEMM_CANDIDATES[1],
+                  "attention": lambda key: kernels.FLASH_TILES[0],
+                  "matvec": lambda key: kernels.matvec_candidates(int(key.split(":")[3]))[1]}
+        assert {key.split(":")[0] for key in tuner._choices} == set(second)
+        for key, choice in tuner._choices.items():
+            assert choice == second[key.split(":")[0]](key), key
+    f16 = CUDA or gemm != "dequantize"
     error = np.abs(fast_out - cpu).max() / np.abs(cpu).max()
     if f16 and error > 2e-2:
         # measured on an H200: 0.0241. The f16 GEMM's ~1e-3 moves some activations across an

@@ -508,9 +508,7 @@ class TorchBackend(Backend):
         if self.ggml_numerics:
             mask = mask.numpy() if isinstance(mask, torch.Tensor) else mask
             return self._like_ggml(attention_like_ggml, q, k, v, mask, scale, softcap)
-        n, H, hd = q.shape
-        kvh = k.shape[1]
-        group = H // kvh
+        n, hd = q.shape[0], q.shape[2]
         if not isinstance(mask, torch.Tensor):
             mask = torch.from_numpy(np.ascontiguousarray(mask, dtype=bool)).to(self.device)
         if (self.kernels is not None and n <= self.kernels.ATTENTION_MAX_QUERIES
@@ -523,18 +521,57 @@ class TorchBackend(Backend):
                 self._prequantized = (out, blocks)
                 return out
             return self.kernels.attention(*args)
+        # (CPU SDPA with a mask: ~40 ms a decode step)
+        default = (self._explicit_attention if softcap or not self.cuda
+                   else self._sdpa_attention)
+        if (softcap or self.kernels is None or k.dtype != torch.float16 or hd < 16
+                or hd & (hd - 1)):
+            return default(q, k, v, mask, scale, softcap)
+        return self._prompt_attention(default, q, k, v, mask, scale)
+
+    def _prompt_attention(self, default, q, k, v, mask, scale: float) -> torch.Tensor:
+        """A prompt's attention on the GPU path: ``default`` (SDPA on a GPU), or the triton
+        flash kernel in one of its tiles where the GPU timed it faster for this shape."""
+        n, H, hd = q.shape
+        T, kvh = k.shape[0], k.shape[1]
+        args = (q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous(), scale)
+
+        def run(choice):
+            if choice == "default":
+                return default(*args)
+            return self.kernels.flash_prompt_attention(*args, tile=choice)
+
+        tuner = self.kernels.tuner_for(self.device)
+        if tuner is None:
+            return run("default")
+        # (sizes rounded to powers of two: fewer timings)
+        key = ("attention", kvh, H // kvh, hd, 1 << (n - 1).bit_length(),
+               1 << (T - 1).bit_length())
+        return run(tuner.choose(key, ("default", *self.kernels.FLASH_TILES), run, "default"))
+
+    @staticmethod
+    def _explicit_attention(q, k, v, mask, scale: float, softcap: float = 0.0):
+        """Scores, softcap, mask and softmax as plain tensor ops (the CPU; soft-capping)."""
+        group = q.shape[1] // k.shape[1]
         kh = k.float().transpose(0, 1)[None]  # (1, KVH, T, hd)
         vh = v.float().transpose(0, 1)[None]
-        if softcap or not self.cuda:  # (CPU SDPA with a mask: ~40 ms a decode step)
-            qh = q.transpose(0, 1)[None]  # (1, H, n, hd)
-            scores = (qh @ kh.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
-            if softcap:
-                scores = torch.tanh(scores / softcap) * softcap
-            scores = scores.masked_fill(~mask[None, None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            return (probs @ vh.repeat_interleave(group, dim=1))[0].transpose(0, 1)
-        # the query heads of each KV head as one sequence of group * n rows: one SDPA call
-        # (f32, any mask) covers GQA without repeating K/V
+        qh = q.transpose(0, 1)[None]  # (1, H, n, hd)
+        scores = (qh @ kh.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask[None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return (probs @ vh.repeat_interleave(group, dim=1))[0].transpose(0, 1)
+
+    @staticmethod
+    def _sdpa_attention(q, k, v, mask, scale: float, softcap: float = 0.0):
+        """The query heads of each KV head as one sequence of group * n rows: one SDPA call
+        (f32, any mask) covers GQA without repeating K/V."""
+        n, H, hd = q.shape
+        kvh = k.shape[1]
+        group = H // kvh
+        kh = k.float().transpose(0, 1)[None]  # (1, KVH, T, hd)
+        vh = v.float().transpose(0, 1)[None]
         qg = q.reshape(n, kvh, group, hd).permute(1, 2, 0, 3).reshape(1, kvh, group * n, hd)
         out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask.repeat(group, 1)[None],
                                              scale=scale)  # (1, KVH, group * n, hd)

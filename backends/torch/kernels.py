@@ -605,6 +605,62 @@ def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD: tl.constexp
 
 
 @triton.jit
+def _f16_parts(x):
+    """f32 x as hi + lo in f16 (hi = f16(x), lo = f16(x - hi)): two f16 tensor-core products
+    with f32 sums give x's product within ~2^-21 of its size where the other factor is f16
+    exactly (the f16 cache's keys and values)."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _flash_prompt_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, n, T, H, KVH, scale,
+                         G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr):
+    """A prompt's attention (flash attention, forward), a program per BM query rows of one
+    KV head: its G query heads stacked as one sequence of G * n rows (row g * n + t: token
+    t of head kvh * G + g), so GQA reads each key tile once for the group. Products on
+    tensor cores from f16 parts of the f32 queries and probabilities against the f16 cache
+    (``_f16_parts``), softmax and sums in f32; a key tile the mask hides from every row of
+    the program is skipped (the causal half, a window's far side)."""
+    kvh = tl.program_id(1)
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = r < n * G
+    tok = (r % n).to(tl.int64)
+    head = kvh * G + r // n
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + ((tok * H + head) * HD)[:, None] + d[None, :], mask=rmask[:, None],
+                other=0.0) * scale  # (BM, HD) f32
+    q_hi, q_lo = _f16_parts(q)
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, HD), tl.float32)
+    for t0 in range(0, T, BN):
+        t = t0 + tl.arange(0, BN)
+        tmask = t < T
+        vis = tl.load(mask_ptr + tok[:, None] * T + t[None, :],
+                      mask=rmask[:, None] & tmask[None, :], other=0) != 0  # (BM, BN)
+        if tl.max(tl.max(vis.to(tl.int32), axis=1), axis=0) > 0:
+            kv = (t.to(tl.int64) * KVH + kvh) * HD
+            k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+            kt = tl.trans(k)  # (HD, BN) f16
+            s = tl.dot(q_hi, kt) + tl.dot(q_lo, kt)  # (BM, BN) f32 sums
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])  # (BM, BN); 0 where hidden
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+            p_hi, p_lo = _f16_parts(p)
+            acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+            m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # (a row that sees nothing: 0)
+    tl.store(out_ptr + ((tok * H + head) * HD)[:, None] + d[None, :], out,
+             mask=rmask[:, None])
+
+
+@triton.jit
 def _store_kv_kernel(keys_ptr, values_ptr, slots_ptr, k_ptr, v_ptr, ROW: tl.constexpr,
                      RP: tl.constexpr):
     """Token i's keys and values (KVH * hd f32) into cache slot slots[i], converted to
@@ -1028,6 +1084,26 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
         NS=max(triton.next_power_of_2(n_splits), 2), QUANT=quantize, K256=256 in blocks,
         num_warps=2 if hd <= 128 else 4)
     return (out, _as_matvec_blocks(blocks)) if quantize else out
+
+
+#: the prompt attention's tiles a GPU times against SDPA: query rows, key slots, warps
+FLASH_TILES = ((64, 32, 4), (64, 64, 4), (128, 32, 8), (32, 32, 4), (128, 64, 8))
+
+
+def flash_prompt_attention(q, k, v, mask, scale: float, tile: tuple | None = None):
+    """q (n, H, hd) f32 contiguous; k, v (T, KVH, hd) f16 contiguous; mask (n, T) bool ->
+    (n, H, hd) f32: ``_flash_prompt_kernel``, tile (query rows, key slots, warps) from
+    FLASH_TILES. hd must be a power of two of at least 16."""
+    import torch
+
+    n, H, hd = q.shape
+    T, kvh = k.shape[0], k.shape[1]
+    bm, bn, warps = tile or FLASH_TILES[0]
+    out = torch.empty_like(q)
+    _flash_prompt_kernel[(triton.cdiv(n * (H // kvh), bm), kvh)](
+        q, k, v, mask.view(torch.uint8), out, n, T, H, kvh, scale, G=H // kvh, HD=hd, BM=bm,
+        BN=bn, num_warps=warps)
+    return out
 
 
 def store_kv(keys, values, slots, k, v) -> None:
