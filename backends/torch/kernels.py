@@ -825,8 +825,9 @@ def qmatvec(xq, xd, p: Planes, bias=None):
     if tuner is not None:  # (timed at the first token count met, usually decode's one:
         # a tile per count would compile every candidate for each of 1..8 tokens)
         key = ("matvec", p.kind, p.rows, n_chunks)
+        # (timed without the bias: the same speed, and no compile of each candidate twice)
         tile = tuner.choose(key, matvec_candidates(n_chunks),
-                            lambda t: _qmatvec(xq, xd, p, bias, t), tile)
+                            lambda t: _qmatvec(xq, xd, p, None, t), tile)
     return _qmatvec(xq, xd, p, bias, tile)
 
 
@@ -883,7 +884,7 @@ def prompt_matmul(x, p: Planes, bias=None, fused: bool | None = None,
     dequantized to x's dtype for torch's GEMM (``f32_out``: cuBLAS writes the f32 sums, no
     cast after it); None: on a GPU the faster of these (and the fused kernel's tiles) for
     this shape, timed once; elsewhere the GEMM."""
-    def run(choice):
+    def run(choice, bias=bias):
         if choice == "cublas":
             return _dequantize_mm(x, p, bias, f32_out)
         return dequantized_matmul(x, p, bias, choice)
@@ -894,7 +895,8 @@ def prompt_matmul(x, p: Planes, bias=None, fused: bool | None = None,
     if tuner is None:
         return run("cublas")
     key = ("gemm", p.kind, p.rows, p.cols, triton.next_power_of_2(x.shape[0]))
-    return run(tuner.choose(key, GEMM_CANDIDATES, run, "cublas"))
+    # (timed without the bias, as the mat-vec's tiles are)
+    return run(tuner.choose(key, GEMM_CANDIDATES, lambda c: run(c, None), "cublas"))
 
 
 def _dequantize_mm(x, p: Planes, bias, f32_out: bool):
