@@ -359,6 +359,14 @@ class LayerCache:
         return visible
 
     # -- update -----------------------------------------------------------------------------
+    def attend(self, backend: Any, q: Any, k: Any, v: Any, scale: float,
+               softcap: float = 0.0) -> Any:
+        """Store k, v (n, KVH, hd) as the next n tokens, then q (n, H, hd)'s attention over
+        the layer (``update_and_fetch`` and ``backend.attention``); a device step may do
+        both in one launch (``graphs._StepLayer``)."""
+        keys, values, mask = self.update_and_fetch(k, v)
+        return backend.attention(q, keys, values, mask, scale, softcap)
+
     def update_and_fetch(self, k: Any, v: Any) -> tuple[Any, Any, np.ndarray]:
         """Store k, v (n, KVH, hd) as the next n tokens; return keys, values (T, KVH, hd) to
         attend over and the mask (n, T) bool, True where query i may attend to key j.

@@ -302,6 +302,36 @@ def test_attention_split_kernels(heads, kv_heads, hd, n, T, window, ring, softca
     assert all(not c.any() for c in kernels._split_counters.values())
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd,n,T,dtype", [
+    (7, 1, 64, 1, 300, "float16"), (12, 2, 128, 3, 50, "float16"),
+    (4, 1, 256, 8, 100, "float16"), (3, 3, 32, 2, 40, "float32")])
+def test_attention_writes_the_steps_keys_and_values(heads, kv_heads, hd, n, T, dtype):
+    """attention(write=...): the step's keys and values stored at their slots (ring slots
+    out of order, one past T: a graph's spare row) in the attention's launch; cache and
+    output bit-identical to store_kv then attention."""
+    rng = np.random.default_rng(T)
+    q = rng.standard_normal((n, heads, hd)).astype(np.float32)
+    kn, vn = (rng.standard_normal((n, kv_heads, hd)).astype(np.float32) for _ in range(2))
+    cache = [rng.standard_normal((T + 1, kv_heads, hd)).astype(dtype) for _ in range(2)]
+    slots = np.array([7, 3, T - 1, 0, 12, 30, 1, T][-n:] if n > 1 else [T // 2])
+    kpos = np.roll(np.arange(T), 5)
+    mask = kpos[None, :] <= T - n + np.arange(n)[:, None]
+    outs = []
+    for fused in (False, True):
+        keys, values = (t(c.copy()) for c in cache)  # (t shares a CPU array's memory)
+        if fused:
+            got = kernels.attention(t(q), keys[:T], values[:T], t(mask), hd ** -0.5,
+                                    write=(t(slots), t(kn), t(vn)))
+        else:
+            kernels.store_kv(keys, values, t(slots), t(kn), t(vn))
+            got = kernels.attention(t(q), keys[:T], values[:T], t(mask), hd ** -0.5)
+        outs.append([x.cpu().numpy() for x in (got, keys, values)])
+    for want, got in zip(*outs, strict=True):
+        assert np.array_equal(got, want)
+    assert not np.array_equal(outs[1][1], cache[0])  # (the slots were written)
+    assert all(not c.any() for c in kernels._split_counters.values())
+
+
 def _prompt_case(heads, kv_heads, hd, n, T, window, ring, seed=0):
     rng = np.random.default_rng(seed + T + heads)
     q = rng.standard_normal((n, heads, hd)).astype(np.float32) * 3  # peaked softmaxes too

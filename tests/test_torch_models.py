@@ -162,11 +162,12 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
 
 @pytest.mark.skipif(CUDA, reason="counts the eager twin's launches (on CUDA: one replay)")
 def test_decode_step_launches(tmp_path, monkeypatch):
-    """A graph's decode step on the GPU path (here its eager twin in the interpreter) is 10
+    """A graph's decode step on the GPU path (here its eager twin in the interpreter) is 9
     triton launches a layer when Q, K and V share a type, and no torch arithmetic between
     them: the chained blocks' residual launches apply the next norm (no add, no norm
-    launch) and attention writes the output projection's blocks (no quantize launch).
-    Around the layers: the embedding row, the first norm, the output mat-vec."""
+    launch), attention writes the output projection's blocks (no quantize launch) and
+    stores the step's keys and values (no KV write launch). Around the layers: the
+    embedding row, the first norm, the output mat-vec."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from edgellm.backends.torch import kernels
@@ -196,7 +197,8 @@ def test_decode_step_launches(tmp_path, monkeypatch):
     with Arithmetic():
         net.forward(np.array([5]), cache)
     assert "_quantize_kernel" not in launched and not arithmetic, (launched, arithmetic)
-    assert len(launched) == 10 * layers + 3, launched
+    assert "_store_kv_kernel" not in launched, launched
+    assert len(launched) == 9 * layers + 3, launched
 
 
 class _Counted:

@@ -500,27 +500,35 @@ class TorchBackend(Backend):
             self._prequantized = (normed, blocks)
         return total, normed
 
-    def attention(self, q, k, v, mask, scale, softcap=0.0) -> torch.Tensor:
+    def attention(self, q, k, v, mask, scale, softcap=0.0, write=None) -> torch.Tensor:
         """q (n, H, hd) f32; k/v (T, KVH, hd) (the cache's dtype); mask (n, T) bool.
         Scores, softmax and sums in f32 (f16 queries would cost 1e-3 relative: more than
-        the reference checks allow)."""
+        the reference checks allow). ``write`` (GPU path: a graph step's in-place KV
+        write) = (slots (n,) int64 on the device, new keys, new values (n, KVH, hd)): store
+        them at those slots of k's and v's memory first (which holds one row past T: the
+        pads' spare row), in the attention's own launch where the split kernels run."""
         q, k, v = _plain(self.asarray(q)), _plain(self.asarray(k)), _plain(self.asarray(v))
+        if write is not None:
+            slots, kn, vn = write[0], write[1].contiguous(), write[2].contiguous()
+            write = (slots, kn, vn)
+            if not (self._fused() and self._attention_writes(q)):
+                self.kernels.store_kv(k, v, slots, kn, vn)
+                write = None
         if self.ggml_numerics:
             mask = mask.numpy() if isinstance(mask, torch.Tensor) else mask
             return self._like_ggml(attention_like_ggml, q, k, v, mask, scale, softcap)
         n, hd = q.shape[0], q.shape[2]
         if not isinstance(mask, torch.Tensor):
             mask = torch.from_numpy(np.ascontiguousarray(mask, dtype=bool)).to(self.device)
-        if (self.kernels is not None and n <= self.kernels.ATTENTION_MAX_QUERIES
-                and hd & (hd - 1) == 0):  # decode, speculative checks: one launch
+        if self._attention_writes(q):  # decode, speculative checks: one launch
             args = (q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous(), scale,
                     softcap)
             if self._fused() and n <= self.kernels.MATVEC_MAX_TOKENS:
                 # the output projection's 8-bit blocks written in the same launch
-                out, blocks = self.kernels.attention(*args, quantize=True)
+                out, blocks = self.kernels.attention(*args, quantize=True, write=write)
                 self._prequantized = (out, blocks)
                 return out
-            return self.kernels.attention(*args)
+            return self.kernels.attention(*args, write=write)
         # (CPU SDPA with a mask: ~40 ms a decode step)
         default = (self._explicit_attention if softcap or not self.cuda
                    else self._sdpa_attention)
@@ -528,6 +536,12 @@ class TorchBackend(Backend):
                 or hd & (hd - 1)):
             return default(q, k, v, mask, scale, softcap)
         return self._prompt_attention(default, q, k, v, mask, scale)
+
+    def _attention_writes(self, q) -> bool:
+        """Do the split kernels run q's attention (and so can take a KV write)?"""
+        hd = q.shape[-1]
+        return (self.kernels is not None and q.shape[0] <= self.kernels.ATTENTION_MAX_QUERIES
+                and hd & (hd - 1) == 0)
 
     def _prompt_attention(self, default, q, k, v, mask, scale: float) -> torch.Tensor:
         """A prompt's attention on the GPU path: ``default`` (SDPA on a GPU), or the triton

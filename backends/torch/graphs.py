@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from edgellm.cache import FloatStore, KVCache
+from edgellm.cache import FloatStore, KVCache, LayerCache
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,15 @@ class _StepLayer:
         """Never: a captured step writes through ``update_and_fetch``'s static slots and
         mask, not ``LayerCache.claim_one``'s host bookkeeping."""
         return False
+
+    def attend(self, backend, q, k, v, scale: float, softcap: float = 0.0):
+        """LayerCache.attend: where the write is in place, the backend's attention stores
+        k and v itself (``TorchBackend.attention``'s ``write``: in the attention's launch
+        on the GPU path)."""
+        if not self.in_place or self.kernels is None:  # (LayerCache's: store, then attend)
+            return LayerCache.attend(self, backend, q, k, v, scale, softcap)
+        return backend.attention(q, self.keys[:self.stored], self.values[:self.stored],
+                                 self.mask, scale, softcap, write=(self.slots, k, v))
 
     def update_and_fetch(self, k, v):
         """Write k, v (B, KVH, hd) at the static slots; keys and values (T, KVH, hd) to

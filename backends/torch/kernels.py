@@ -13,7 +13,10 @@
 - ``round_activations``: x rounded to those 8-bit blocks, in float (the GEMM's input).
 - ``attention``: flash-decoding for <= 8 queries: programs over (token, head, 32 key slots)
   in f32 from the f16 cache; the last of a head's programs to finish combines them, and
-  the last head of a token may write the row's 8-bit blocks for the output projection.
+  the last head of a token may write the row's 8-bit blocks for the output projection,
+  and the step's new keys and values may be stored in the same launch.
+- ``flash_prompt_attention``: a prompt's attention (flash attention, GQA rows stacked per
+  KV head) on tensor cores with f32 accuracy (f16 parts of the f32 operands).
 - ``rms_norm``, ``rope``, ``glu``, ``store_kv``: one launch each instead of a handful of
   torch ops (in decode, launches rather than bytes set much of the pace).
 
@@ -516,9 +519,10 @@ def _glu_act(g, GELU: tl.constexpr):
 @triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
                        count_ptr, T, H, KVH, n_splits, scale, softcap, n_rows, q32_ptr,
-                       d32_ptr, q256_ptr, d256_ptr, KP, G: tl.constexpr, HD: tl.constexpr,
-                       BT: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-                       NS: tl.constexpr, QUANT: tl.constexpr, K256: tl.constexpr):
+                       d32_ptr, q256_ptr, d256_ptr, KP, kn_ptr, vn_ptr, slots_ptr,
+                       G: tl.constexpr, HD: tl.constexpr, BT: tl.constexpr,
+                       SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, NS: tl.constexpr,
+                       QUANT: tl.constexpr, K256: tl.constexpr, WRITE: tl.constexpr):
     """Attention of one token's query head over SPLIT key slots: the running max, sum of
     exponentials and weighted sum of values (flash-decoding's partial results), in f32
     from the cache's f16 (or f32) keys and values. A program per (token, head, split):
@@ -526,13 +530,21 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
     (a counter each, as the split-K mat-vec) combines the partial results into the output:
     no second launch. QUANT: the last head of a token to be combined (a counter per token,
     after the n_rows heads') also writes the token's output row (H * HD) as the 8-bit
-    blocks of the output projection's mat-vec (``_store_q8_blocks``): no quantize launch."""
+    blocks of the output projection's mat-vec (``_store_q8_blocks``): no quantize launch.
+    WRITE (> 0: the step's token count): the step's new keys and values kn, vn (WRITE, KVH,
+    HD) f32 go to cache slots ``slots`` in this launch, the KV write's: the first split of
+    a group's first head stores its token's row, and every program reads a new row from
+    kn/vn (rounded to the cache's dtype, as stored) instead of the slot it is replacing,
+    so no program depends on another's store."""
     tok = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     kvh = h // G
     d = tl.arange(0, HD)
     q = tl.load(q_ptr + (tok * H + h).to(tl.int64) * HD + d) * scale  # (HD,)
+    if WRITE:
+        if (h % G == 0) & (sp == 0):
+            _store_new_kv(k_ptr, v_ptr, kn_ptr, vn_ptr, slots_ptr, tok, kvh, KVH, HD)
     m_i = tl.full((1,), float("-inf"), tl.float32)
     l_i = tl.zeros((1,), tl.float32)
     acc = tl.zeros((HD,), tl.float32)
@@ -543,6 +555,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
             kv = (t.to(tl.int64) * KVH + kvh) * HD
             k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)  # (BT, HD)
+            if WRITE:
+                k = _new_rows(k, t, k_ptr, kn_ptr, slots_ptr, kvh, KVH, HD, WRITE)
             s = tl.sum(k * q[None, :], axis=1)  # (BT,)
             if SOFTCAP:
                 s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # tanh
@@ -554,6 +568,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
             l_i = l_i * alpha + tl.sum(p, axis=0)
             v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
+            if WRITE:
+                v = _new_rows(v, t, v_ptr, vn_ptr, slots_ptr, kvh, KVH, HD, WRITE)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
     row = tok * H + h
@@ -572,6 +588,31 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
                 _row_q8_blocks(out_ptr, tok.to(tl.int64), H * HD, KP, q32_ptr, d32_ptr,
                                q256_ptr, d256_ptr, K256)
                 tl.atomic_xchg(count_ptr + n_rows + tok, 0)
+
+
+@triton.jit
+def _store_new_kv(k_ptr, v_ptr, kn_ptr, vn_ptr, slots_ptr, tok, kvh, KVH, HD: tl.constexpr):
+    """Token tok's new key and value of KV head kvh into its cache slot, in the cache's
+    dtype (as ``_store_kv_kernel`` stores them)."""
+    d = tl.arange(0, HD)
+    src = (tok.to(tl.int64) * KVH + kvh) * HD + d
+    dst = (tl.load(slots_ptr + tok) * KVH + kvh) * HD + d
+    tl.store(k_ptr + dst, tl.load(kn_ptr + src).to(k_ptr.dtype.element_ty))
+    tl.store(v_ptr + dst, tl.load(vn_ptr + src).to(v_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _new_rows(x, t, cache_ptr, new_ptr, slots_ptr, kvh, KVH, HD: tl.constexpr,
+              N: tl.constexpr):
+    """x (BT, HD): cache rows t, with each row that one of the step's N tokens writes taken
+    from that token's new row instead (rounded to the cache's dtype, as the store rounds
+    it)."""
+    d = tl.arange(0, HD)
+    for i in tl.static_range(N):
+        row = tl.load(new_ptr + (i * KVH + kvh) * HD + d)
+        row = row.to(cache_ptr.dtype.element_ty).to(tl.float32)
+        x = tl.where((t == tl.load(slots_ptr + i))[:, None], row[None, :], x)
+    return x
 
 
 @triton.jit
@@ -1060,12 +1101,16 @@ def glu(gate, up, gelu: bool):
 ATTENTION_MAX_QUERIES = 8
 
 
-def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool = False):
+def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool = False,
+              write: tuple | None = None):
     """q (n, H, hd) f32 contiguous; k, v (T, KVH, hd) f16 or f32 contiguous; mask (n, T)
     bool -> (n, H, hd) f32. Split over the key slots (flash-decoding: enough programs for a
     GPU at one token), combined by each head's last split to finish, in one launch. hd must
     be a power of two. ``quantize``: also the output's rows (n, H * hd) as 8-bit blocks, as
-    ``then_quantize`` returns them: (out, blocks)."""
+    ``then_quantize`` returns them: (out, blocks). ``write`` = (slots (n,) int64, kn, vn (n,
+    KVH, hd) f32 contiguous): store the step's keys and values at those slots of k and v's
+    memory first, in the same launch (what ``store_kv`` then attention do); a slot may lie
+    past T (graphs' spare row: stored, never read)."""
     import torch
 
     n, H, hd = q.shape
@@ -1079,12 +1124,13 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
     acc = torch.empty((n, H, n_splits, hd), dtype=torch.float32, device=dev)
     out = torch.empty((n, H, hd), dtype=torch.float32, device=dev)
     padded, blocks = _q8_outputs(n, H * hd, dev) if quantize else (0, {})
+    slots, kn, vn = write if write is not None else (out, out, out)  # (unread without)
     _attn_split_kernel[(n, H, n_splits)](
         q, k, v, mask.view(torch.uint8), m, l_s, acc, out, _counters(dev, n * H + n), T, H,
-        kvh, n_splits, scale, softcap or 1.0, n * H, *_q8_args(blocks, out), padded,
-        G=H // kvh, HD=hd, BT=bt, SPLIT=split, SOFTCAP=bool(softcap),
+        kvh, n_splits, scale, softcap or 1.0, n * H, *_q8_args(blocks, out), padded, kn, vn,
+        slots, G=H // kvh, HD=hd, BT=bt, SPLIT=split, SOFTCAP=bool(softcap),
         NS=max(triton.next_power_of_2(n_splits), 2), QUANT=quantize, K256=256 in blocks,
-        num_warps=2 if hd <= 128 else 4)
+        WRITE=n if write is not None else 0, num_warps=2 if hd <= 128 else 4)
     return (out, _as_matvec_blocks(blocks)) if quantize else out
 
 

@@ -431,9 +431,7 @@ class Model:
         q, k, v = self.project_qkv(i, w, x, positions)
         out = self.attend_appending(q, k, v, [layer_cache]) if n == 1 else None
         if out is None:
-            keys, values, mask = layer_cache.update_and_fetch(k, v)
-            out = B.attention(q, keys, values, mask, self.attention_scale(),
-                              a.attn_logit_softcap)
+            out = layer_cache.attend(B, q, k, v, self.attention_scale(), a.attn_logit_softcap)
         return B.matmul(out.reshape(n, a.n_heads * a.head_dim), w.wo)
 
     def project_qkv(self, i: int, w: AttentionWeights, x, positions: np.ndarray):
