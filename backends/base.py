@@ -205,6 +205,12 @@ class Backend(ABC):
     def gelu_tanh_mul(self, gate: Array, up: Array) -> Array:
         """gelu_tanh(gate) * up (GeGLU)."""
 
+    def gated_projection(self, x: Array, w_gate: Any, w_up: Any, gelu: bool) -> Array:
+        """An MLP's input side: act(x @ w_gate.T) * (x @ w_up.T), act gelu_tanh (``gelu``)
+        or silu; a device backend does it in one launch."""
+        gate, up = self.matmuls(x, (w_gate, w_up))
+        return self.gelu_tanh_mul(gate, up) if gelu else self.silu_mul(gate, up)
+
     def scale(self, x: Array, factor: float) -> Array:
         return x * factor
 

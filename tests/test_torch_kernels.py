@@ -204,6 +204,32 @@ def test_tuning_times_on_the_gpu(tmp_path, monkeypatch):
     assert (tmp_path / "gpu.json").is_file()
 
 
+@pytest.mark.parametrize("qtype,F,cols,n", [(Q.Q4_K, 512, 512, 1), (Q.Q5_0, 320, 224, 3),
+                                             (Q.Q8_0, 256, 96, 8)], ids=["q4k", "q50", "q80"])
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu"])
+def test_qmatvec_glu_is_matvec_then_quantized_glu(qtype, F, cols, n, gelu):
+    """The gate+up mat-vec with the GLU and the down projection's 8-bit blocks in one
+    launch: the same bits as qmatvec of the stack then then_quantize of its halves (F not a
+    multiple of 256: the last block's counter counts fewer programs), counters reset."""
+    from edgellm.backends.torch.packing import stack_rows
+
+    parts = [uploaded(random_tensor(qtype, F, cols, seed=F + i), F, cols) for i in range(2)]
+    stacked, _ = stack_rows(parts, torch.cat)
+    x = np.random.default_rng(F).standard_normal((n, cols)).astype(np.float32)
+    xq, xd = kernels.quantize_activations(t(x), 256 if qtype in K_QUANTS else 32,
+                                          stacked.padded)
+    got, got_blocks = kernels.qmatvec_glu(xq, xd, stacked, gelu)
+    both = kernels.qmatvec(xq, xd, stacked)
+    want, want_blocks = kernels.then_quantize("gelu" if gelu else "silu",
+                                              both[:, :F].contiguous(), both[:, F:].contiguous())
+    assert torch.equal(got, want)
+    assert got_blocks.keys() == want_blocks.keys() == ({32, 256} if F % 256 == 0 else {32})
+    for block in want_blocks:
+        assert all(torch.equal(a, b) for a, b in zip(got_blocks[block], want_blocks[block],
+                                                     strict=True))
+    assert all(not c.any() for c in kernels._split_counters.values())
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_dequantize_and_gather(qtype):
     rows, cols = 21, (256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 96)

@@ -162,12 +162,13 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
 
 @pytest.mark.skipif(CUDA, reason="counts the eager twin's launches (on CUDA: one replay)")
 def test_decode_step_launches(tmp_path, monkeypatch):
-    """A graph's decode step on the GPU path (here its eager twin in the interpreter) is 9
+    """A graph's decode step on the GPU path (here its eager twin in the interpreter) is 8
     triton launches a layer when Q, K and V share a type, and no torch arithmetic between
     them: the chained blocks' residual launches apply the next norm (no add, no norm
     launch), attention writes the output projection's blocks (no quantize launch) and
-    stores the step's keys and values (no KV write launch). Around the layers: the
-    embedding row, the first norm, the output mat-vec."""
+    stores the step's keys and values (no KV write launch), and the gate+up mat-vec
+    applies the GLU and writes the down projection's blocks (no GLU launch). Around the
+    layers: the embedding row, the first norm, the output mat-vec."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from edgellm.backends.torch import kernels
@@ -198,7 +199,8 @@ def test_decode_step_launches(tmp_path, monkeypatch):
         net.forward(np.array([5]), cache)
     assert "_quantize_kernel" not in launched and not arithmetic, (launched, arithmetic)
     assert "_store_kv_kernel" not in launched, launched
-    assert len(launched) == 9 * layers + 3, launched
+    assert launched.count("_qmv_glu_kernel") == layers, launched
+    assert len(launched) == 8 * layers + 3, launched
 
 
 class _Counted:
@@ -310,7 +312,8 @@ def test_triton_path_follows_cpu_torch(tmp_path, monkeypatch, gemm):
     above, or the fused dequantize-GEMM, triton norms/RoPE/GLUs), here in triton's
     interpreter unless there is a GPU, against CPU torch's f32 weights: a 12-token prompt
     and 2 decode steps. ``tuned``: every shape takes the tuner's second candidate (another
-    mat-vec tile, the fused GEMM, the flash prompt attention)."""
+    mat-vec tile, for the gate+up+GLU launch too, the fused GEMM, the flash prompt
+    attention)."""
     from edgellm.backends.torch import TorchBackend, kernels
     from edgellm.quants import Q
 
@@ -336,7 +339,8 @@ def test_triton_path_follows_cpu_torch(tmp_path, monkeypatch, gemm):
     if gemm == "tuned":  # the three kinds of choice were made, each the second candidate
         second = {"gemm": lambda key: kernels.GEMM_CANDIDATES[1],
                   "attention": lambda key: kernels.FLASH_TILES[0],
-                  "matvec": lambda key: kernels.matvec_candidates(int(key.split(":")[3]))[1]}
+                  "matvec": lambda key: kernels.matvec_candidates(int(key.split(":")[3]))[1],
+                  "matvec_glu": lambda key: kernels.matvec_candidates(int(key.split(":")[3]))[1]}
         assert {key.split(":")[0] for key in tuner._choices} == set(second)
         for key, choice in tuner._choices.items():
             assert choice == second[key.split(":")[0]](key), key

@@ -36,7 +36,7 @@ from ..numpy_backend import (
     rope_like_ggml,
     rope_tables_like_ggml,
 )
-from .packing import K_QUANTS, KINDS, Planes, pack, stack_rows
+from .packing import CHUNK, K_QUANTS, KINDS, Planes, pack, stack_rows
 
 _MAGIC = 12582912.0  # see kernels._MAGIC
 #: Activations are rounded to 8-bit blocks before every quantized matmul, as llama.cpp
@@ -608,6 +608,23 @@ class TorchBackend(Backend):
         if self._quantizes_after(gate):
             return self._then_quantize("gelu" if gelu else "silu", gate, up)
         return self.kernels.glu(gate, up, gelu)
+
+    def gated_projection(self, x, w_gate, w_up, gelu: bool) -> torch.Tensor:
+        """Up to 8 tokens on the GPU path, gate and up stacked (one block type and width,
+        no biases, K not split): the mat-vec, the GLU and the down projection's 8-bit
+        blocks in one launch (``kernels.qmatvec_glu``); else the matmuls, then the GLU."""
+        x = self.asarray(x)
+        if self._fused() and self._quantizes_after(x):
+            x = x.contiguous()
+            plan = self._stacked((w_gate, w_up), (None, None))
+            stacked, bias, members = plan[0]
+            if (len(plan) == 1 and members is not None and bias is None
+                    and stacked.planes.padded // CHUNK < self.kernels.SPLIT_MIN_CHUNKS):
+                xq, xd = self._activations(x, stacked, {})
+                act, blocks = self.kernels.qmatvec_glu(xq, xd, stacked.planes, gelu)
+                self._prequantized = (act, blocks)  # the down projection's input
+                return act
+        return super().gated_projection(x, w_gate, w_up, gelu)
 
     def silu_mul(self, gate, up) -> torch.Tensor:
         if self.kernels is not None:

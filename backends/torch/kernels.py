@@ -6,6 +6,7 @@
   weights' 4-6 bit values packed four to a word, ``dp4a`` for each word, then per group
   ``xd * (scale * sum(u q) + offset * sum(q))``. Matrices with few rows split K among
   programs; the last program of a row block adds the partial sums in a fixed order.
+  ``qmatvec_glu``: gate and up (stacked) in one launch with the GLU and its 8-bit blocks.
 - ``dequantize``: W (or some of its rows: embedding lookups) to f16/f32, for prefill GEMMs;
   ``dequantized_matmul``: a prefill GEMM with W's tiles dequantized inside it.
   ``prompt_matmul`` takes one or the other; on a GPU it and the mat-vec's tile are timed
@@ -134,24 +135,13 @@ def _spread_bits(h, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, qh_ptr, s_ptr,
-                m_ptr, d_ptr, dm_ptr, N, KW, nqw, ng, nsup, n_chunks, cps, n_splits,
-                M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr,
-                CH: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                INTERP: tl.constexpr):
-    """out (M, N) = x @ W.T with x as int8 blocks: xq (M, KW) int32 words of 4 int8 values,
-    xd (M, KW / 8) f32 the scale of each 32 values. Per 16 weights of a row (a quarter
-    chunk: 4 words of u bytes), integer dot products with dp4a; then per group
-    xd * (scale * sum(u q) + offset * sum(q)). Tiles are (BN rows, CH chunks, 2 sixteens
-    per half chunk, 4 words). Program (i, j) takes rows i * BN.. and chunks j * cps.. (a
-    split of K when rows alone give too few programs): its partial sums go to part[j], and
-    the last split of a row block to finish (a counter per block) adds them up in split
-    order, so the result does not depend on which finished first."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    c_end = tl.minimum(split * cps + cps, n_chunks)
-    rows = pid * BN + tl.arange(0, BN)
-    rmask = rows < N
+def _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0,
+              c_end, KW, nqw, ng, nsup, M: tl.constexpr, MP: tl.constexpr,
+              KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr):
+    """x @ W.T's sums over chunks c0.. (CH of them, up to c_end) for rows (BN,): (BN, MP).
+    Per 16 weights of a row (a quarter chunk: 4 words of u bytes), integer dot products
+    with dp4a; then per group xd * (scale * sum(u q) + offset * sum(q)). Tiles are (BN
+    rows, CH chunks, 2 sixteens per half chunk, 4 words)."""
     r = rows.to(tl.int64)[:, None, None, None]
     sub = tl.arange(0, 2)[None, None, :, None]
     jj = tl.arange(0, 4)[None, None, None, :]
@@ -165,49 +155,73 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
     s3 = tl.arange(0, 2)[None, None, :]
     mcol = tl.arange(0, MP)
     acc = tl.zeros((BN, MP), dtype=tl.float32)
+    c = c0 + tl.arange(0, CH)
+    cmask = c < c_end
+    cc = c[None, :, None, None]
+    mk = rmask[:, None, None, None] & cmask[None, :, None, None]
+    if KIND == 0:  # Q8_0: a byte per weight, 16 words a chunk
+        w_lo = tl.load(q_ptr + r * nqw + cc * 16 + word, mask=mk, other=0)
+        w_hi = tl.load(q_ptr + r * nqw + cc * 16 + 8 + word, mask=mk, other=0)
+    else:  # nibbles: byte i of a chunk holds weights i and 32 + i
+        w = tl.load(q_ptr + r * nqw + cc * 8 + word, mask=mk, other=0)
+        w_lo = w & 0x0F0F0F0F
+        w_hi = (w >> 4) & 0x0F0F0F0F
+    if KIND == 3 or KIND == 4 or KIND == 6:  # a fifth bit, a word per 32 weights
+        h_lo = tl.load(qh_ptr + r * ng + cc * 2, mask=mk, other=0)
+        h_hi = tl.load(qh_ptr + r * ng + cc * 2 + 1, mask=mk, other=0)
+        w_lo = w_lo | _spread_bits(h_lo >> (4 * word), 1)
+        w_hi = w_hi | _spread_bits(h_hi >> (4 * word), 1)
+    if KIND == 7:  # Q6_K: two more bits, a word per 16 weights
+        h_lo = tl.load(qh_ptr + r * (2 * ng) + cc * 4 + sub, mask=mk, other=0)
+        h_hi = tl.load(qh_ptr + r * (2 * ng) + cc * 4 + 2 + sub, mask=mk, other=0)
+        w_lo = w_lo | _spread_bits(h_lo >> (8 * jj), 2)
+        w_hi = w_hi | _spread_bits(h_hi >> (8 * jj), 2)
+    # per-group scale and offset, (BN, CH, 1) or, per sixteen (Q6_K), (BN, CH, 2)
+    s_lo, s_hi, o_lo, o_hi = _group_scales(
+        s_ptr, m_ptr, d_ptr, dm_ptr, r3, c[None, :, None], s3,
+        rmask[:, None, None] & cmask[None, :, None], ng, nsup, KIND)
+    xmask = cmask[:, None, None]
+    for m in tl.static_range(M):
+        xc = xq_ptr + m * KW + c[:, None, None] * 16 + xsub * 4 + xj  # (CH, 2, 4)
+        x_lo = tl.load(xc, mask=xmask, other=0)
+        x_hi = tl.load(xc + 8, mask=xmask, other=0)
+        i_lo = tl.sum(_dp4a(w_lo, tl.broadcast_to(x_lo[None], (BN, CH, 2, 4)), zero,
+                            INTERP), axis=3).to(tl.float32)  # (BN, CH, 2)
+        i_hi = tl.sum(_dp4a(w_hi, tl.broadcast_to(x_hi[None], (BN, CH, 2, 4)), zero,
+                            INTERP), axis=3).to(tl.float32)
+        q_lo = tl.sum(_dp4a(ones, x_lo[None], zero_x, INTERP), axis=3).to(tl.float32)
+        q_hi = tl.sum(_dp4a(ones, x_hi[None], zero_x, INTERP), axis=3).to(tl.float32)
+        xd_lo = tl.load(xd_ptr + m * (KW // 8) + c * 2, mask=cmask, other=0.0)
+        xd_hi = tl.load(xd_ptr + m * (KW // 8) + c * 2 + 1, mask=cmask, other=0.0)
+        part = (xd_lo[None, :, None] * (s_lo * i_lo + o_lo * q_lo)
+                + xd_hi[None, :, None] * (s_hi * i_hi + o_hi * q_hi))
+        part = tl.sum(tl.sum(part, axis=2), axis=1)  # (BN,)
+        acc += tl.where(mcol[None, :] == m, part[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, qh_ptr, s_ptr,
+                m_ptr, d_ptr, dm_ptr, N, KW, nqw, ng, nsup, n_chunks, cps, n_splits,
+                M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr,
+                CH: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                INTERP: tl.constexpr):
+    """out (M, N) = x @ W.T with x as int8 blocks: xq (M, KW) int32 words of 4 int8 values,
+    xd (M, KW / 8) f32 the scale of each 32 values, CH chunks a step (``_qmv_step``).
+    Program (i, j) takes rows i * BN.. and chunks j * cps.. (a
+    split of K when rows alone give too few programs): its partial sums go to part[j], and
+    the last split of a row block to finish (a counter per block) adds them up in split
+    order, so the result does not depend on which finished first."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    c_end = tl.minimum(split * cps + cps, n_chunks)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < N
+    acc = tl.zeros((BN, MP), dtype=tl.float32)
     for c0 in range(split * cps, c_end, CH):
-        c = c0 + tl.arange(0, CH)
-        cmask = c < c_end
-        cc = c[None, :, None, None]
-        mk = rmask[:, None, None, None] & cmask[None, :, None, None]
-        if KIND == 0:  # Q8_0: a byte per weight, 16 words a chunk
-            w_lo = tl.load(q_ptr + r * nqw + cc * 16 + word, mask=mk, other=0)
-            w_hi = tl.load(q_ptr + r * nqw + cc * 16 + 8 + word, mask=mk, other=0)
-        else:  # nibbles: byte i of a chunk holds weights i and 32 + i
-            w = tl.load(q_ptr + r * nqw + cc * 8 + word, mask=mk, other=0)
-            w_lo = w & 0x0F0F0F0F
-            w_hi = (w >> 4) & 0x0F0F0F0F
-        if KIND == 3 or KIND == 4 or KIND == 6:  # a fifth bit, a word per 32 weights
-            h_lo = tl.load(qh_ptr + r * ng + cc * 2, mask=mk, other=0)
-            h_hi = tl.load(qh_ptr + r * ng + cc * 2 + 1, mask=mk, other=0)
-            w_lo = w_lo | _spread_bits(h_lo >> (4 * word), 1)
-            w_hi = w_hi | _spread_bits(h_hi >> (4 * word), 1)
-        if KIND == 7:  # Q6_K: two more bits, a word per 16 weights
-            h_lo = tl.load(qh_ptr + r * (2 * ng) + cc * 4 + sub, mask=mk, other=0)
-            h_hi = tl.load(qh_ptr + r * (2 * ng) + cc * 4 + 2 + sub, mask=mk, other=0)
-            w_lo = w_lo | _spread_bits(h_lo >> (8 * jj), 2)
-            w_hi = w_hi | _spread_bits(h_hi >> (8 * jj), 2)
-        # per-group scale and offset, (BN, CH, 1) or, per sixteen (Q6_K), (BN, CH, 2)
-        s_lo, s_hi, o_lo, o_hi = _group_scales(
-            s_ptr, m_ptr, d_ptr, dm_ptr, r3, c[None, :, None], s3,
-            rmask[:, None, None] & cmask[None, :, None], ng, nsup, KIND)
-        xmask = cmask[:, None, None]
-        for m in tl.static_range(M):
-            xc = xq_ptr + m * KW + c[:, None, None] * 16 + xsub * 4 + xj  # (CH, 2, 4)
-            x_lo = tl.load(xc, mask=xmask, other=0)
-            x_hi = tl.load(xc + 8, mask=xmask, other=0)
-            i_lo = tl.sum(_dp4a(w_lo, tl.broadcast_to(x_lo[None], (BN, CH, 2, 4)), zero,
-                                INTERP), axis=3).to(tl.float32)  # (BN, CH, 2)
-            i_hi = tl.sum(_dp4a(w_hi, tl.broadcast_to(x_hi[None], (BN, CH, 2, 4)), zero,
-                                INTERP), axis=3).to(tl.float32)
-            q_lo = tl.sum(_dp4a(ones, x_lo[None], zero_x, INTERP), axis=3).to(tl.float32)
-            q_hi = tl.sum(_dp4a(ones, x_hi[None], zero_x, INTERP), axis=3).to(tl.float32)
-            xd_lo = tl.load(xd_ptr + m * (KW // 8) + c * 2, mask=cmask, other=0.0)
-            xd_hi = tl.load(xd_ptr + m * (KW // 8) + c * 2 + 1, mask=cmask, other=0.0)
-            part = (xd_lo[None, :, None] * (s_lo * i_lo + o_lo * q_lo)
-                    + xd_hi[None, :, None] * (s_hi * i_hi + o_hi * q_hi))
-            part = tl.sum(tl.sum(part, axis=2), axis=1)  # (BN,)
-            acc += tl.where(mcol[None, :] == m, part[:, None], 0.0)
+        acc += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows,
+                         rmask, c0, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP)
+    mcol = tl.arange(0, MP)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0)
         acc += tl.where(split == 0, bias, 0.0)[:, None]  # once, by the first split
@@ -226,6 +240,41 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch
     else:
         tl.store(out_ptr + at, acc, mask=omask)
+
+
+@triton.jit
+def _qmv_glu_kernel(xq_ptr, xd_ptr, out_ptr, count_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr,
+                    dm_ptr, F, KW, nqw, ng, nsup, n_chunks, KP, q32_ptr, d32_ptr, q256_ptr,
+                    d256_ptr, M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr,
+                    BN: tl.constexpr, CH: tl.constexpr, GELU: tl.constexpr,
+                    K256: tl.constexpr, INTERP: tl.constexpr):
+    """out (M, F) = act(x @ G.T) * (x @ U.T) for gate and up stacked as one matrix (rows
+    0..F and F..2F), and out's 8-bit blocks for the down projection: the mat-vec, the GLU
+    and its quantization (``then_quantize``'s) in one launch. A program takes gate rows
+    i * BN.. and the same up rows, all of K; the last program of each 256 outputs to finish
+    (a counter each, as the split-K mat-vec) quantizes them."""
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < F
+    gate = tl.zeros((BN, MP), dtype=tl.float32)
+    up = tl.zeros((BN, MP), dtype=tl.float32)
+    for c0 in range(0, n_chunks, CH):
+        gate += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows,
+                          rmask, c0, n_chunks, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP)
+        up += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows + F,
+                        rmask, c0, n_chunks, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP)
+    mcol = tl.arange(0, MP)
+    at = mcol[None, :].to(tl.int64) * F + rows[:, None]  # (BN, MP) in the (M, F) output
+    tl.store(out_ptr + at, _glu_act(gate, GELU) * up, mask=rmask[:, None] & (mcol < M)[None, :])
+    block = pid * BN // 256  # the 256 outputs this program's rows are in
+    j0 = block * 256
+    tl.debug_barrier()  # every thread's outputs written before the count is released
+    if tl.atomic_add(count_ptr + block, 1) == tl.cdiv(tl.minimum(F - j0, 256), BN) - 1:
+        j = j0 + tl.arange(0, 256)
+        for m in tl.static_range(M):  # acq_rel: the others' outputs are seen
+            y = tl.load(out_ptr + m * F + j, mask=j < F, other=0.0, cache_modifier=".cg")
+            _store_q8_blocks(y, m, j0, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K256)
+        tl.atomic_xchg(count_ptr + block, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -895,6 +944,38 @@ def _qmatvec(xq, xd, p: Planes, bias, tile: tuple[int, int, int, int]):
         HAS_BIAS=bias is not None, SPLIT_K=splits > 1, INTERP=_INTERPRETING,
         num_warps=warps)
     return out
+
+
+def qmatvec_glu(xq, xd, p: Planes, gelu: bool):
+    """act(x @ G.T) * (x @ U.T) -> (n, F) f32 for n <= 8 tokens, with gate and up stacked
+    in ``p`` (rows 0..F, F..2F: ``stack_rows``), and its 8-bit blocks for the down
+    projection as ``then_quantize`` gives them: (out, blocks). One launch; rows of fewer
+    than SPLIT_MIN_CHUNKS chunks only (K is not split). The tile is timed like the
+    mat-vec's, among its unsplit candidates."""
+    import torch
+
+    n = xq.shape[0]
+    F = p.rows // 2
+    nq, ng, nsup, n_chunks = _geometry(p)
+    assert n_chunks < SPLIT_MIN_CHUNKS and p.rows % 2 == 0
+    padded, blocks = _q8_outputs(n, F, xq.device)
+    out = torch.empty((n, F), dtype=torch.float32, device=xq.device)
+
+    def run(tile):
+        bn, ch, warps, _ = tile
+        _qmv_glu_kernel[(triton.cdiv(F, bn),)](
+            xq, xd, out, _counters(xq.device, triton.cdiv(F, 256)),
+            *_plane_args(p, _words(p)), F, xq.shape[1], nq // 4, ng, nsup, n_chunks, padded,
+            *_q8_args(blocks, out), M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn,
+            CH=ch, GELU=gelu, K256=256 in blocks, INTERP=_INTERPRETING, num_warps=warps)
+
+    tile = _default_tile(p, n_chunks)
+    tuner = None if p.kind in MATVEC_TILES else tuner_for(xq.device)
+    if tuner is not None:
+        tile = tuner.choose(("matvec_glu", p.kind, p.rows, n_chunks),
+                            matvec_candidates(n_chunks), run, tile)
+    run(tile)
+    return out, _as_matvec_blocks(blocks)
 
 
 def dequantize(p: Planes, dtype, ids=None):

@@ -450,6 +450,5 @@ class Model:
 
     def mlp(self, block: Block, x):
         B = self.backend
-        gate, up = B.matmuls(x, (block.w_gate, block.w_up))
-        act = B.gelu_tanh_mul(gate, up) if self.activation == "gelu_tanh" else B.silu_mul(gate, up)
+        act = B.gated_projection(x, block.w_gate, block.w_up, self.activation == "gelu_tanh")
         return B.matmul(act, block.w_down)
