@@ -13,6 +13,9 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
 STEPS=${STEPS:-"llama bench tests profile prefill ab mem matvec sweep"}
 mkdir -p "$OUT" /tmp/m
+# kernel variants are timed once per card (backends/torch/tuning.py); every step shares the
+# choices, which come back in $OUT/home/tuning
+export EDGELLM_HOME=${EDGELLM_HOME:-$OUT/home}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -46,8 +49,8 @@ if has bench; then
                 | tee -a "$OUT/llama-bench.md" | grep -E "^\|" | tail -n 2
         fi
         echo "== edgellm bench --backend torch $(basename "$m")"
-        # (the first run on a card times kernel variants: tune_s; the choices land in $OUT)
-        EDGELLM_HOME=$OUT/home timeout 240 python3 -m edgellm.apps.cli bench -m "$m" \
+        # (the first run on a card times kernel variants: tune_s)
+        timeout 240 python3 -m edgellm.apps.cli bench -m "$m" \
             --backend torch -p 512 -n 128 -r 3 -o json \
             > "$OUT/bench-$(basename "$m" .gguf).json" 2> "$OUT/bench.err"
         rc=$?; echo "rc=$rc"; tail -n 3 "$OUT/bench.err"
