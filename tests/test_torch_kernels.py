@@ -31,6 +31,18 @@ REF = NumpyBackend()
 TYPES = list(KINDS)
 
 
+@pytest.fixture(autouse=True)
+def _tuners_forgotten(monkeypatch):
+    """Each test's tuner choices stay its own (kernels remembers a tuner per device)."""
+    monkeypatch.setattr(kernels, "_by_device", {})
+
+
+def _install(monkeypatch, device: str, tuner) -> None:
+    """Make ``tuner`` the one kernels asks on ``device`` (none remembered from before)."""
+    monkeypatch.setitem(kernels._tuners, device, tuner)
+    monkeypatch.setattr(kernels, "_by_device", {})
+
+
 def uploaded(tensor, rows, cols):
     p = pack(tensor.data, tensor.qtype, rows, cols)
     for key, a in p.arrays().items():
@@ -130,7 +142,7 @@ def test_every_matvec_candidate_computes_the_product(qtype, rows, cols, monkeypa
         got = kernels._qmatvec(xq, xd, p, None, tile).cpu().numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=str(tile))
     scripted = _ScriptedTuner(fastest=len(candidates) - 1)
-    monkeypatch.setitem(kernels._tuners, str(xq.device), scripted.tuner)
+    _install(monkeypatch, str(xq.device), scripted.tuner)
     np.testing.assert_allclose(kernels.qmatvec(xq, xd, p).cpu().numpy(), want, rtol=1e-4,
                                atol=1e-4)
     assert scripted.timed == list(range(len(candidates)))
@@ -153,12 +165,13 @@ def test_prompt_matmul_runs_the_tuners_choice(monkeypatch):
     xg = t(x).to(dtype)
     for i, choice in enumerate(kernels.GEMM_CANDIDATES):
         scripted = _ScriptedTuner(fastest=i)
-        monkeypatch.setitem(kernels._tuners, str(xg.device), scripted.tuner)
+        _install(monkeypatch, str(xg.device), scripted.tuner)
         got = kernels.prompt_matmul(xg, p, t(bias))
         assert got.dtype == torch.float32
         assert np.abs(got.cpu().numpy() - want).max() <= 1e-3 * np.abs(want).max(), choice
         assert scripted.tuner._choices == {f"gemm:5:{rows}:{cols}:16": choice}
     monkeypatch.delitem(kernels._tuners, str(xg.device))
+    monkeypatch.setattr(kernels, "_by_device", {})
     if DEVICE == "cpu":  # nothing is timed without a GPU: the GEMM runs
         assert kernels.tuner_for(xg.device) is None
 
@@ -196,7 +209,7 @@ def test_tuning_times_on_the_gpu(tmp_path, monkeypatch):
     xq, xd = kernels.quantize_activations(t(x), 256, p.padded)
     want = kernels._qmatvec(xq, xd, p, None, kernels._default_tile(p, cols // 64))
     tuner = Tuner(tmp_path / "gpu.json", "test")
-    monkeypatch.setitem(kernels._tuners, str(xq.device), tuner)
+    _install(monkeypatch, str(xq.device), tuner)
     got = kernels.qmatvec(xq, xd, p)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     (key, tile), = tuner._choices.items()
@@ -398,7 +411,7 @@ def test_prompt_attention_runs_the_tuners_choice(monkeypatch):
     choices = ("default", *kernels.FLASH_TILES)
     for i, choice in enumerate(choices):
         scripted = _ScriptedTuner(fastest=i)
-        monkeypatch.setitem(kernels._tuners, str(be.device), scripted.tuner)
+        _install(monkeypatch, str(be.device), scripted.tuner)
         got = be.attention(be.asarray(q), t(k), t(v), mask, 0.0625)
         np.testing.assert_allclose(be.to_numpy(got), want, rtol=1e-5, atol=1e-5)
         assert scripted.tuner._choices == {"attention:1:4:256:32:32": choice}

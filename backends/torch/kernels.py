@@ -822,23 +822,34 @@ def _default_tile(p: Planes, n_chunks: int) -> tuple[int, int, int, int]:
     return bn, ch, warps, (PROGRAMS_PER_SM if n_chunks >= SPLIT_MIN_CHUNKS else 0)
 
 
-#: Tuners by device (``tuning.Tuner``); tests install their own
+#: Tuners by device name (``tuning.Tuner``; tests install their own), and by the device
+#: objects that asked for them
 _tuners: dict = {}
+_by_device: dict = {}
 
 
 def tuner_for(device):
     """The device's ``Tuner``: one per CUDA device, choices saved per card under
     ``$EDGELLM_HOME/tuning``; None elsewhere and with ``EDGELLM_TUNE=0`` (defaults run)."""
+    if device in _by_device:  # (every mat-vec asks: a dict lookup, nothing more)
+        return _by_device[device]
     import torch
 
+    given = device
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one tuner
         device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
-    if key in _tuners:
-        return _tuners[key]
-    if device.type != "cuda" or os.environ.get("EDGELLM_TUNE", "1") == "0":
-        return None
+    if key not in _tuners:
+        if device.type != "cuda" or os.environ.get("EDGELLM_TUNE", "1") == "0":
+            return None
+        _tuners[key] = _new_tuner(device)
+    _by_device[given] = _tuners[key]
+    return _tuners[key]
+
+
+def _new_tuner(device):
+    import torch
 
     from edgellm.store import edgellm_home
 
@@ -848,8 +859,7 @@ def tuner_for(device):
     major, minor = torch.cuda.get_device_capability(device)
     version = (f"{name} sm{major}{minor} triton {triton.__version__} torch "
                f"{torch.__version__} kernels {KERNELS_VERSION}")
-    _tuners[key] = Tuner(device_file(edgellm_home(), name), version)
-    return _tuners[key]
+    return Tuner(device_file(edgellm_home(), name), version)
 
 
 _sm_counts: dict = {}
