@@ -326,15 +326,7 @@ def test_attention_split_kernels(heads, kv_heads, hd, n, T, window, ring, softca
     (300 slots: 10; the last to finish combines them, and resets its counter), GQA groups of
     1..20, soft-capping, sliding windows (whole tiles masked) and ring slots out of position
     order."""
-    rng = np.random.default_rng(T + heads)
-    q = rng.standard_normal((n, heads, hd)).astype(np.float32)
-    k = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
-    v = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
-    qpos = np.arange(T - n, T)[:, None]
-    kpos = np.arange(T)[None, :]
-    if ring:
-        kpos = np.roll(kpos, 77, axis=1)
-    mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
+    q, k, v, mask = _attention_case(heads, kv_heads, hd, n, T, window, ring)
     got = kernels.attention(t(q), t(k), t(v), t(mask), hd ** -0.5, softcap).cpu().numpy()
     want = REF.attention(q, k, v, mask, hd ** -0.5, softcap)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -371,17 +363,24 @@ def test_attention_writes_the_steps_keys_and_values(heads, kv_heads, hd, n, T, d
     assert all(not c.any() for c in kernels._split_counters.values())
 
 
-def _prompt_case(heads, kv_heads, hd, n, T, window, ring, seed=0):
+def _attention_case(heads, kv_heads, hd, n, T, window, ring, seed=0, q_scale=1.0, roll=77):
+    """Queries (n, heads, hd) f32, an f16 cache (T, kv_heads, hd) and the mask (n, T) of the
+    last n positions: causal, within ``window``, over ring slots rolled out of order."""
     rng = np.random.default_rng(seed + T + heads)
-    q = rng.standard_normal((n, heads, hd)).astype(np.float32) * 3  # peaked softmaxes too
+    q = rng.standard_normal((n, heads, hd)).astype(np.float32) * q_scale
     k = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
     v = rng.standard_normal((T, kv_heads, hd)).astype(np.float16)
     qpos = np.arange(T - n, T)[:, None]
     kpos = np.arange(T)[None, :]
     if ring:
-        kpos = np.roll(kpos, 37, axis=1)
+        kpos = np.roll(kpos, roll, axis=1)
     mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
     return q, k, v, mask
+
+
+def _prompt_case(heads, kv_heads, hd, n, T, window, ring, seed=0):
+    """A prompt's case: larger queries (peaked softmaxes too)."""
+    return _attention_case(heads, kv_heads, hd, n, T, window, ring, seed, q_scale=3.0, roll=37)
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd,n,T,window,ring", [
