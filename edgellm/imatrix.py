@@ -54,6 +54,11 @@ class RecordingBackend:
             self._record(x, w)
         return self._backend.matmuls(x, weights, biases)
 
+    def gated_projection(self, x: Any, w_gate: Any, w_up: Any, gelu: bool) -> Any:
+        self._record(x, w_gate)
+        self._record(x, w_up)
+        return self._backend.gated_projection(x, w_gate, w_up, gelu)
+
 
 def compute_imatrix(model_path: str | os.PathLike, text: str, ctx: int = 512,
                     chunks: int | None = None, backend: str = "auto",
