@@ -20,8 +20,8 @@ bucket may be written in place (``LayerCache.writes_in_place``), else over the s
 before the write followed by the new rows (a ring whose window a long slice would
 overwrite); in place, the write itself goes to the backend's attention (``_StepLayer.attend``:
 one launch for both on the GPU path). Which of the two each group of layers takes is part of
-the bucket's key, so a
-ring's first prompt and a later one of the same size are two graphs. The captured pass is
+the bucket's key, so a ring's first prompt and a later one of the same size are two graphs.
+The captured pass is
 ``Model.forward``'s own steps (embed, the blocks, norm, output), the blocks chained
 (``Model.chained_blocks``: each block's last residual add also applies the next norm).
 
