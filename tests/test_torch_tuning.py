@@ -105,3 +105,37 @@ def test_an_unwritable_home_keeps_choices_for_the_process(tmp_path, caplog):
                                        ("../../etc", "etc.json"), ("", "gpu.json")])
 def test_device_file_names(tmp_path, name, file):
     assert device_file(tmp_path, name) == tmp_path / "tuning" / file
+
+
+def test_timing_keeps_its_flush_buffer_out_of_the_peak(monkeypatch):
+    """cold_microseconds (the CUDA calls stubbed): do_bench's median in microseconds; the
+    peak from before timing is kept, the timing's own (its 256 MiB L2 flush) is reset
+    away, and its cached blocks are released."""
+    torch = pytest.importorskip("torch")
+    triton_testing = pytest.importorskip("triton.testing")
+    from edgellm.backends.torch import tuning
+
+    state = {"peak": 700, "resets": 0, "emptied": 0}
+
+    def do_bench(run, warmup, rep, return_mode):
+        assert return_mode == "median"
+        run()
+        state["peak"] = 700 + (256 << 20)  # the flush buffer
+        return 0.0125  # ms
+
+    def reset(device):
+        state["peak"], state["resets"] = 300, state["resets"] + 1
+
+    monkeypatch.setattr(tuning, "_peaks_before", {})
+    monkeypatch.setattr(triton_testing, "do_bench", do_bench)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "empty_cache",
+                        lambda: state.__setitem__("emptied", state["emptied"] + 1))
+    ran = []
+    assert tuning.cold_microseconds(lambda: ran.append(1)) == pytest.approx(12.5)
+    assert ran == [1] and state["resets"] == 1 and state["emptied"] == 1
+    assert tuning.peak_memory("cuda") == 700  # the model's peak, not the flush's
+    state["peak"] = 900  # the model goes higher later: that counts
+    assert tuning.peak_memory("cuda:0") == 900
