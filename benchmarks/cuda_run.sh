@@ -82,9 +82,8 @@ fi
 if has prefill; then  # a prompt's GEMM variants (cast, f32 out, fused tiles) and ring rules
     for m in "${MODELS[0]}" "${MODELS[2]}"; do
         echo "== prefill A/B $(basename "$m")"
-        timeout 180 python3 benchmarks/torch_prefill_ab.py "$m" \
-            --tiles "${PREFILL_TILES:-128x64x2x8,64x128x2x4,128x128x1x8}" 2>&1 \
-            | tee -a "$OUT/prefill_ab.txt" | tail -n 12
+        timeout 180 python3 benchmarks/torch_prefill_ab.py "$m" ${PREFILL_TILES:+--tiles "$PREFILL_TILES"} \
+            2>&1 | tee -a "$OUT/prefill_ab.txt" | tail -n 12
     done
 fi
 if has ab; then  # decode: launch fusions off/on (alternating processes), host vs device argmax

@@ -6,15 +6,15 @@ reads another copy of the matrix, more copies than the L2 holds). Needs CUDA.
 
 Without --tiles: the kernel as decode runs it (each shape's tile timed at first use,
 ``tuning.py``, unless kernels.MATVEC_TILES sets one), 1 and 8 tokens. With
---tiles: every (rows per program, chunks per step, warps) of a small grid, and for matrices
-that split K every programs-per-multiprocessor target, one token; the best three per matrix
-and the best per type over all matrices (what MATVEC_TILES should hold).
+--tiles: every tile the tuner would time for the matrix (``kernels.matvec_candidates``:
+rows per program, chunks per step, warps, K split), one token, each replayed from a graph as
+decode runs it; the best three per matrix, and per type the best of the tiles every matrix
+of that type took (what the defaults, ``matvec_tile``, should be).
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import sys
 
 import torch
@@ -31,12 +31,7 @@ SHAPES = [(Q.Q4_K, 1536, 1536), (Q.Q4_K, 256, 1536), (Q.Q6_K, 256, 1536),
           (Q.Q6_K, 1536, 8960), (Q.Q4_K, 1536, 8960), (Q.Q6_K, 151936, 1536),
           (Q.Q5_0, 896, 896), (Q.Q8_0, 896, 4864), (Q.Q5_0, 1024, 896), (Q.Q8_0, 4864, 896),
           (Q.Q5_0, 2048, 640), (Q.Q8_0, 640, 2048), (Q.Q6_K, 262144, 640)]
-# (rows, chunks a step, warps): 16 and 32 chunks take a 1536-wide row in one or two steps
-# (fewer dependent loads: small matrices are latency-bound), not yet swept on a GPU
-GRID = [*itertools.product((4, 8, 16, 32), (4, 8), (4, 8)), (8, 2, 4), (16, 2, 4), (2, 8, 4),
-        *itertools.product((2, 4), (16, 32), (4, 8))]
 SWEPT = 11  # --tiles sweeps the first SWEPT shapes (the 1.5B's and two of the 0.5B's)
-SPLIT_TARGETS = (0, 8, 16, 32)  # kernels.PROGRAMS_PER_SM values (0: never split)
 COLD_BYTES = 256 << 20
 
 
@@ -91,15 +86,9 @@ def time_graph(mats: list, n: int, tile=None, target=None) -> float:
         kernels.PROGRAMS_PER_SM = saved_target
 
 
-def splits_k(p, tile) -> bool:
-    bn = tile[0]
-    programs = -(-p.rows // bn)
-    return programs < 16 * kernels._multiprocessors(torch.device("cuda"))
-
-
 def main() -> None:
     sweep = "--tiles" in sys.argv
-    per_type: dict = collections.defaultdict(lambda: collections.defaultdict(float))
+    per_type: dict = collections.defaultdict(lambda: collections.defaultdict(list))
     for qtype, rows, cols in SHAPES[:SWEPT] if sweep else SHAPES:
         p = planes(qtype, rows, cols)
         mats = copies(p, max(1, min(64, COLD_BYTES // p.nbytes)))
@@ -110,24 +99,23 @@ def main() -> None:
                       f"{p.nbytes / us / 1e3:.0f} GB/s", flush=True)
             continue
         results = []
-        for tile in GRID:
-            for target in (SPLIT_TARGETS if splits_k(p, tile) else (None,)):
-                try:
-                    us = time_graph(mats, 1, tile, target)
-                except Exception as exc:  # a tile too large for the registers
-                    print(f"  {tile} {target}: {type(exc).__name__}")
-                    continue
-                results.append((us, tile, target))
-                if target in (None, kernels.PROGRAMS_PER_SM):
-                    per_type[qtype.name][tile] += us
+        for tile in kernels.matvec_candidates(p.padded // 64):
+            try:
+                us = time_graph(mats, 1, tile[:3], tile[3])
+            except Exception as exc:  # a tile too large for the registers
+                print(f"  {tile}: {type(exc).__name__}")
+                continue
+            results.append((us, tile))
+            per_type[qtype.name][tile].append(us)
         results.sort()
-        best = ", ".join(f"{t}/{g}: {us:.1f} us {p.nbytes / us / 1e3:.0f} GB/s"
-                         for us, t, g in results[:3])
+        best = ", ".join(f"{t}: {us:.1f} us {p.nbytes / us / 1e3:.0f} GB/s"
+                         for us, t in results[:3])
         print(f"{qtype.name} {rows}x{cols}: {best}", flush=True)
         del mats
-    for name, totals in per_type.items():
-        tile, us = min(totals.items(), key=lambda kv: kv[1])
-        print(f"best over all {name} matrices (default split target): {tile} ({us:.0f} us)")
+    for name, times in per_type.items():
+        shared = {t: sum(us) for t, us in times.items() if len(us) == max(map(len, times.values()))}
+        tile, us = min(shared.items(), key=lambda kv: kv[1])
+        print(f"best over all {name} matrices: {tile} ({us:.0f} us)")
 
 
 if __name__ == "__main__":

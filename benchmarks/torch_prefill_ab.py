@@ -16,7 +16,8 @@ ring's first prompt interleaved in one process, each against the one before this
         [--tiles 128x64x2x8,64x128x2x4]
 
 ``--tiles`` adds fused variants with other tiles (tokens x rows x chunks x warps:
-``kernels.DQ_GEMM_TILE``), each captured with its own.
+``kernels.DQ_GEMM_TILE``), each captured with its own; by default the other tiles the tuner
+times (``kernels.GEMM_CANDIDATES``).
 
 Each GEMM variant is its own loaded model (the backend reads its switches when made); the
 ring rule is swapped in place (its graphs are separate buckets). Prints t/s (median over
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 import edgellm
+from edgellm.backends.torch import kernels
 from edgellm.cache import LayerCache
 
 GEMMS = {"cast": {"EDGELLM_GEMM_F32_OUT": "0", "EDGELLM_FUSED_GEMM": "0"},
@@ -70,8 +72,6 @@ def _load(path: str, switches: dict):
 def _prefill(model, tokens: np.ndarray, ring, tile=None) -> tuple[float, np.ndarray]:
     """Seconds of one prompt into a fresh cache (the bench's size), and its logits; ``tile``:
     the fused GEMM's, read when a step is captured (its replays keep it)."""
-    from edgellm.backends.torch import kernels
-
     LayerCache.writes_in_place = ring
     default_tile = kernels.DQ_GEMM_TILE
     kernels.DQ_GEMM_TILE = tile or default_tile
@@ -92,7 +92,9 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--tiles", default="", help="more fused tiles: BMxBNxCHxWARPS,...")
+    others = [t for t in kernels.GEMM_CANDIDATES if t not in ("cublas", kernels.DQ_GEMM_TILE)]
+    ap.add_argument("--tiles", default=",".join("x".join(map(str, t)) for t in others),
+                    help="more fused tiles: BMxBNxCHxWARPS,...")
     args = ap.parse_args()
 
     tokens = np.arange(100, 100 + args.prompt)

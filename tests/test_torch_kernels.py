@@ -17,11 +17,12 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from edgellm.backends.numpy_backend import NumpyBackend, round_activations_like_ggml  # noqa: E402
-from edgellm.backends.torch import kernels  # noqa: E402
+from edgellm.backends.torch import kernels, tuning  # noqa: E402
 from edgellm.backends.torch.backend import round_activations_torch  # noqa: E402
 from edgellm.backends.torch.packing import K_QUANTS, KINDS, dequantize_planes, pack  # noqa: E402
 from edgellm.quants import Q, dequantize  # noqa: E402
 from tests.test_backend_conformance import random_tensor  # noqa: E402
+from tests.test_torch_tuning import PickingTuner  # noqa: E402
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("triton was imported before TRITON_INTERPRET could be set", allow_module_level=True)
@@ -34,13 +35,13 @@ TYPES = list(KINDS)
 @pytest.fixture(autouse=True)
 def _tuners_forgotten(monkeypatch):
     """Each test's tuner choices stay its own (kernels remembers a tuner per device)."""
-    monkeypatch.setattr(kernels, "_by_device", {})
+    monkeypatch.setattr(tuning, "_by_device", {})
 
 
 def _install(monkeypatch, device: str, tuner) -> None:
     """Make ``tuner`` the one kernels asks on ``device`` (none remembered from before)."""
-    monkeypatch.setitem(kernels._tuners, device, tuner)
-    monkeypatch.setattr(kernels, "_by_device", {})
+    monkeypatch.setitem(tuning._tuners, device, tuner)
+    monkeypatch.setattr(tuning, "_by_device", {})
 
 
 def uploaded(tensor, rows, cols):
@@ -107,21 +108,6 @@ def test_qmatvec_split_k(qtype):
     assert all(not c.any() for c in kernels._split_counters.values())
 
 
-class _ScriptedTuner:
-    """A tuner whose timings are given: candidate i takes times[i] (records what it timed)."""
-
-    def __init__(self, fastest: int):
-        from edgellm.backends.torch.tuning import Tuner
-
-        self.fastest, self.timed = fastest, []
-        self.tuner = Tuner(None, "test", self._timer, lambda: False)
-
-    def _timer(self, run):
-        run()
-        self.timed.append(len(self.timed))
-        return 1.0 if len(self.timed) - 1 == self.fastest else 2.0
-
-
 @pytest.mark.parametrize("qtype,rows,cols", [(Q.Q4_K, 5, 1536), (Q.Q5_0, 9, 640),
                                              (Q.Q6_K, 3, 4096)], ids=["q4k", "q50", "q6k-split"])
 def test_every_matvec_candidate_computes_the_product(qtype, rows, cols, monkeypatch):
@@ -141,13 +127,13 @@ def test_every_matvec_candidate_computes_the_product(qtype, rows, cols, monkeypa
     for tile in candidates:
         got = kernels._qmatvec(xq, xd, p, None, tile).cpu().numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=str(tile))
-    scripted = _ScriptedTuner(fastest=len(candidates) - 1)
-    _install(monkeypatch, str(xq.device), scripted.tuner)
+    scripted = PickingTuner(len(candidates) - 1)
+    _install(monkeypatch, str(xq.device), scripted)
     np.testing.assert_allclose(kernels.qmatvec(xq, xd, p).cpu().numpy(), want, rtol=1e-4,
                                atol=1e-4)
     assert scripted.timed == list(range(len(candidates)))
     key = f"matvec:{KINDS[qtype]}:{rows}:{n_chunks}"
-    assert scripted.tuner._choices == {key: candidates[-1]}
+    assert scripted._choices == {key: candidates[-1]}
     assert all(not c.any() for c in kernels._split_counters.values())
 
 
@@ -164,36 +150,36 @@ def test_prompt_matmul_runs_the_tuners_choice(monkeypatch):
     dtype = torch.float16 if DEVICE == "cuda" else torch.float32  # the backend's GEMM dtype
     xg = t(x).to(dtype)
     for i, choice in enumerate(kernels.GEMM_CANDIDATES):
-        scripted = _ScriptedTuner(fastest=i)
-        _install(monkeypatch, str(xg.device), scripted.tuner)
+        scripted = PickingTuner(i)
+        _install(monkeypatch, str(xg.device), scripted)
         got = kernels.prompt_matmul(xg, p, t(bias))
         assert got.dtype == torch.float32
         assert np.abs(got.cpu().numpy() - want).max() <= 1e-3 * np.abs(want).max(), choice
-        assert scripted.tuner._choices == {f"gemm:5:{rows}:{cols}:16": choice}
-    monkeypatch.delitem(kernels._tuners, str(xg.device))
-    monkeypatch.setattr(kernels, "_by_device", {})
+        assert scripted._choices == {f"gemm:5:{rows}:{cols}:16": choice}
+    monkeypatch.delitem(tuning._tuners, str(xg.device))
+    monkeypatch.setattr(tuning, "_by_device", {})
     if DEVICE == "cpu":  # nothing is timed without a GPU: the GEMM runs
-        assert kernels.tuner_for(xg.device) is None
+        assert tuning.tuner_for(xg.device) is None
 
 
 def test_one_tuner_per_card_saved_under_edgellm_home(tmp_path, monkeypatch):
     """tuner_for on a GPU (the CUDA queries stubbed): "cuda" and "cuda:0" share a tuner
     whose file is named after the card and whose version names card, triton, torch and the
     kernels; EDGELLM_TUNE=0 and the CPU get none."""
-    monkeypatch.setattr(kernels, "_tuners", {})
+    monkeypatch.setattr(tuning, "_tuners", {})
     monkeypatch.setenv("EDGELLM_HOME", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
     monkeypatch.setenv("EDGELLM_TUNE", "0")
-    assert kernels.tuner_for(torch.device("cuda")) is None
+    assert tuning.tuner_for(torch.device("cuda")) is None
     monkeypatch.delenv("EDGELLM_TUNE")
-    tuner = kernels.tuner_for(torch.device("cuda"))
-    assert kernels.tuner_for("cuda:0") is tuner
+    tuner = tuning.tuner_for(torch.device("cuda"))
+    assert tuning.tuner_for("cuda:0") is tuner
     assert tuner.path == tmp_path / "tuning" / "nvidia-h100-80gb-hbm3.json"
     assert tuner.version.startswith("NVIDIA H100 80GB HBM3 sm90 triton ")
     assert f"torch {torch.__version__}" in tuner.version
-    assert kernels.tuner_for(torch.device("cpu")) is None
+    assert tuning.tuner_for(torch.device("cpu")) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times launches on a GPU: CUDA")
@@ -409,11 +395,11 @@ def test_prompt_attention_runs_the_tuners_choice(monkeypatch):
     want = REF.attention(q, k, v, mask, 0.0625)
     choices = ("default", *kernels.FLASH_TILES)
     for i, choice in enumerate(choices):
-        scripted = _ScriptedTuner(fastest=i)
-        _install(monkeypatch, str(be.device), scripted.tuner)
+        scripted = PickingTuner(i)
+        _install(monkeypatch, str(be.device), scripted)
         got = be.attention(be.asarray(q), t(k), t(v), mask, 0.0625)
         np.testing.assert_allclose(be.to_numpy(got), want, rtol=1e-5, atol=1e-5)
-        assert scripted.tuner._choices == {"attention:1:4:256:32:32": choice}
+        assert scripted._choices == {"attention:1:4:256:32:32": choice}
         assert len(scripted.timed) == len(choices)
 
 

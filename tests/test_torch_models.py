@@ -284,27 +284,6 @@ def test_stream_generate_greedy_uses_device_argmax(tmp_path, monkeypatch):
     assert cache.offset == cache_host.offset == 4 + 5
 
 
-def _second_choice_tuner():
-    """A tuner that keeps every shape's second candidate (a mat-vec tile other than the
-    first, the fused GEMM, the flash prompt attention): the tuned paths end to end."""
-    from edgellm.backends.torch.tuning import Tuner
-
-    timed = []
-
-    def timer(run):
-        run()
-        timed.append(1)
-        return 1.0 if len(timed) == 2 else 2.0
-
-    def choose(key, candidates, run, default):
-        timed.clear()
-        return Tuner.choose(tuner, key, candidates, run, default)
-
-    tuner = Tuner(None, "test", timer, lambda: False)
-    tuner.choose = choose
-    return tuner
-
-
 @pytest.mark.parametrize("gemm", ["dequantize", "fused", "tuned"],
                          ids=["dequantize-gemm", "fused-gemm", "tuned"])
 def test_triton_path_follows_cpu_torch(tmp_path, monkeypatch, gemm):
@@ -314,17 +293,18 @@ def test_triton_path_follows_cpu_torch(tmp_path, monkeypatch, gemm):
     and 2 decode steps. ``tuned``: every shape takes the tuner's second candidate (another
     mat-vec tile, for the gate+up+GLU launch too, the fused GEMM, the flash prompt
     attention)."""
-    from edgellm.backends.torch import TorchBackend, kernels
+    from edgellm.backends.torch import TorchBackend, kernels, tuning
     from edgellm.quants import Q
+    from tests.test_torch_tuning import PickingTuner
 
     if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton's interpreter was not enabled before triton was imported")
     pytest.importorskip("triton")
     monkeypatch.setenv("EDGELLM_FUSED_GEMM", {"dequantize": "0", "fused": "1"}.get(gemm, ""))
     fast = TorchBackend(graphs=False) if CUDA else TorchBackend(device="cpu", triton=True)
-    tuner = _second_choice_tuner()
+    tuner = PickingTuner(1)  # every shape's second candidate: the tuned paths end to end
     if gemm == "tuned":
-        monkeypatch.setattr(kernels, "tuner_for", lambda device: tuner)
+        monkeypatch.setattr(tuning, "tuner_for", lambda device: tuner)
     assert fast.fused_gemm == ({"dequantize": False, "fused": True}.get(gemm))
     outs = []
     for backend in (fast, TorchBackend(device="cpu", ggml_numerics=False)):

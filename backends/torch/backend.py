@@ -36,6 +36,7 @@ from ..numpy_backend import (
     rope_like_ggml,
     rope_tables_like_ggml,
 )
+from . import tuning
 from .packing import CHUNK, K_QUANTS, KINDS, Planes, pack, stack_rows
 
 _MAGIC = 12582912.0  # see kernels._MAGIC
@@ -276,14 +277,12 @@ class TorchBackend(Backend):
     def device_memory(self) -> dict[str, int] | None:
         if not self.cuda:
             return None
-        from .tuning import peak_memory
-
         return {"active": int(torch.cuda.memory_allocated(self.device)),
-                "peak": peak_memory(self.device)}
+                "peak": tuning.peak_memory(self.device)}
 
     def tuning_seconds(self) -> float:
         """Seconds this process spent timing kernel variants on this device (``tuning.py``)."""
-        tuner = self.kernels.tuner_for(self.device) if self.kernels is not None else None
+        tuner = tuning.tuner_for(self.device) if self.kernels is not None else None
         return tuner.seconds if tuner is not None else 0.0
 
     def write_rows(self, dst: torch.Tensor, rows, src) -> None:
@@ -511,7 +510,7 @@ class TorchBackend(Backend):
         if write is not None:
             slots, kn, vn = write[0], write[1].contiguous(), write[2].contiguous()
             write = (slots, kn, vn)
-            if not (self._fused() and self._attention_writes(q)):
+            if not (self._fused() and self._split_attention(q)):
                 self.kernels.store_kv(k, v, slots, kn, vn)
                 write = None
         if self.ggml_numerics:
@@ -520,7 +519,7 @@ class TorchBackend(Backend):
         n, hd = q.shape[0], q.shape[2]
         if not isinstance(mask, torch.Tensor):
             mask = torch.from_numpy(np.ascontiguousarray(mask, dtype=bool)).to(self.device)
-        if self._attention_writes(q):  # decode, speculative checks: one launch
+        if self._split_attention(q):  # decode, speculative checks: one launch
             args = (q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous(), scale,
                     softcap)
             if self._fused() and n <= self.kernels.MATVEC_MAX_TOKENS:
@@ -537,8 +536,9 @@ class TorchBackend(Backend):
             return default(q, k, v, mask, scale, softcap)
         return self._prompt_attention(default, q, k, v, mask, scale)
 
-    def _attention_writes(self, q) -> bool:
-        """Do the split kernels run q's attention (and so can take a KV write)?"""
+    def _split_attention(self, q) -> bool:
+        """Do the split (flash-decoding) kernels run q's attention? (They alone take a KV
+        write in their launch.)"""
         hd = q.shape[-1]
         return (self.kernels is not None and q.shape[0] <= self.kernels.ATTENTION_MAX_QUERIES
                 and hd & (hd - 1) == 0)
@@ -555,13 +555,11 @@ class TorchBackend(Backend):
                 return default(*args)
             return self.kernels.flash_prompt_attention(*args, tile=choice)
 
-        tuner = self.kernels.tuner_for(self.device)
-        if tuner is None:
-            return run("default")
         # (sizes rounded to powers of two: fewer timings)
         key = ("attention", kvh, H // kvh, hd, 1 << (n - 1).bit_length(),
                1 << (T - 1).bit_length())
-        return run(tuner.choose(key, ("default", *self.kernels.FLASH_TILES), run, "default"))
+        return run(tuning.choose(self.device, key, ("default", *self.kernels.FLASH_TILES),
+                                 run, "default"))
 
     @staticmethod
     def _explicit_attention(q, k, v, mask, scale: float, softcap: float = 0.0):

@@ -10,7 +10,7 @@
 - ``dequantize``: W (or some of its rows: embedding lookups) to f16/f32, for prefill GEMMs;
   ``dequantized_matmul``: a prefill GEMM with W's tiles dequantized inside it.
   ``prompt_matmul`` takes one or the other; on a GPU it and the mat-vec's tile are timed
-  per shape at first use (``tuning.py``, through ``tuner_for``).
+  per shape at first use (``tuning.choose``).
 - ``round_activations``: x rounded to those 8-bit blocks, in float (the GEMM's input).
 - ``attention``: flash-decoding for <= 8 queries: programs over (token, head, 32 key slots)
   in f32 from the f16 cache; the last of a head's programs to finish combines them, and
@@ -26,11 +26,13 @@ They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests
 
 from __future__ import annotations
 
+import functools
 import os
 
 import triton
 import triton.language as tl
 
+from . import tuning
 from .packing import CHUNK, Planes
 
 #: tokens up to which a matmul runs the mat-vec kernel (above: dequantize + GEMM)
@@ -804,62 +806,32 @@ def matvec_tile(rows: int, n_chunks: int) -> tuple[int, int, int]:
     return (4, 8, 4) if rows > 512 else (2, 8, 4)
 
 
-def matvec_candidates(n_chunks: int) -> list[tuple[int, int, int, int]]:
+@functools.cache
+def matvec_candidates(n_chunks: int) -> tuple[tuple[int, int, int, int], ...]:
     """Tiles (rows per program, chunks per step, warps, programs per multiprocessor that a K
-    split aims at, 0: none) a GPU times for rows of ``n_chunks`` chunks. Short rows: 2-16
+    split aims at, 0: none) a GPU times for rows of ``n_chunks`` chunks. Short rows: 2-32
     rows a program, K in steps of 8 or 16 chunks or in one pass (small matrices are
     latency-bound: fewer dependent loads); long rows: larger tiles, split K or not."""
     if n_chunks >= SPLIT_MIN_CHUNKS:
-        return [(bn, ch, 4, per_sm) for bn, ch in ((8, 8), (16, 8), (16, 16), (32, 8))
-                for per_sm in (0, 8, 16)]
+        return tuple((bn, ch, 4, per_sm) for bn, ch in ((8, 8), (16, 8), (16, 16), (32, 8))
+                     for per_sm in (0, 8, 16))
     steps = sorted({min(ch, triton.next_power_of_2(n_chunks)) for ch in (8, 16, 32)})
-    return [(bn, ch, 4 if bn * ch <= 128 else 8, 0) for bn in (2, 4, 8, 16, 32)
-            for ch in steps]
+    return tuple((bn, ch, 4 if bn * ch <= 128 else 8, 0) for bn in (2, 4, 8, 16, 32)
+                 for ch in steps)
 
 
-def _default_tile(p: Planes, n_chunks: int) -> tuple[int, int, int, int]:
+def _matvec_tile(op: str, p: Planes, device, run) -> tuple[int, int, int, int]:
+    """The tile for ``op`` ("matvec", "matvec_glu") over p: MATVEC_TILES' or
+    ``matvec_tile``'s, or on a GPU the fastest of ``matvec_candidates`` (``run(tile)``
+    launches one; timed once per shape, at the first token count met, usually decode's
+    one: a tile per count would compile every candidate for each of 1..8 tokens)."""
+    n_chunks = p.padded // CHUNK
     bn, ch, warps = MATVEC_TILES.get(p.kind) or matvec_tile(p.rows, n_chunks)
-    return bn, ch, warps, (PROGRAMS_PER_SM if n_chunks >= SPLIT_MIN_CHUNKS else 0)
-
-
-#: Tuners by device name (``tuning.Tuner``; tests install their own), and by the device
-#: objects that asked for them
-_tuners: dict = {}
-_by_device: dict = {}
-
-
-def tuner_for(device):
-    """The device's ``Tuner``: one per CUDA device, choices saved per card under
-    ``$EDGELLM_HOME/tuning``; None elsewhere and with ``EDGELLM_TUNE=0`` (defaults run)."""
-    if device in _by_device:  # (every mat-vec asks: a dict lookup, nothing more)
-        return _by_device[device]
-    import torch
-
-    given = device
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one tuner
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
-    if key not in _tuners:
-        if device.type != "cuda" or os.environ.get("EDGELLM_TUNE", "1") == "0":
-            return None
-        _tuners[key] = _new_tuner(device)
-    _by_device[given] = _tuners[key]
-    return _tuners[key]
-
-
-def _new_tuner(device):
-    import torch
-
-    from edgellm.store import edgellm_home
-
-    from .tuning import KERNELS_VERSION, Tuner, device_file
-
-    name = torch.cuda.get_device_name(device)
-    major, minor = torch.cuda.get_device_capability(device)
-    version = (f"{name} sm{major}{minor} triton {triton.__version__} torch "
-               f"{torch.__version__} kernels {KERNELS_VERSION}")
-    return Tuner(device_file(edgellm_home(), name), version)
+    tile = bn, ch, warps, (PROGRAMS_PER_SM if n_chunks >= SPLIT_MIN_CHUNKS else 0)
+    if p.kind in MATVEC_TILES:  # (a sweep's or a test's: not timed)
+        return tile
+    return tuning.choose(device, (op, p.kind, p.rows, n_chunks),
+                         matvec_candidates(n_chunks), run, tile)
 
 
 _sm_counts: dict = {}
@@ -919,15 +891,8 @@ def qmatvec(xq, xd, p: Planes, bias=None):
     """x @ W.T (+ bias) -> (n, N) f32 for n <= 8 tokens, x as ``quantize_activations``
     gives it (blocks of the size the weight type is multiplied with). On a GPU the tile is
     the fastest of ``matvec_candidates`` for this matrix shape (timed once)."""
-    n_chunks = p.padded // CHUNK
-    tile = _default_tile(p, n_chunks)
-    tuner = None if p.kind in MATVEC_TILES else tuner_for(xq.device)
-    if tuner is not None:  # (timed at the first token count met, usually decode's one:
-        # a tile per count would compile every candidate for each of 1..8 tokens)
-        key = ("matvec", p.kind, p.rows, n_chunks)
-        # (timed without the bias: the same speed, and no compile of each candidate twice)
-        tile = tuner.choose(key, matvec_candidates(n_chunks),
-                            lambda t: _qmatvec(xq, xd, p, None, t), tile)
+    # (timed without the bias: the same speed, and no compile of each candidate twice)
+    tile = _matvec_tile("matvec", p, xq.device, lambda t: _qmatvec(xq, xd, p, None, t))
     return _qmatvec(xq, xd, p, bias, tile)
 
 
@@ -979,12 +944,7 @@ def qmatvec_glu(xq, xd, p: Planes, gelu: bool):
             *_q8_args(blocks, out), M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn,
             CH=ch, GELU=gelu, K256=256 in blocks, INTERP=_INTERPRETING, num_warps=warps)
 
-    tile = _default_tile(p, n_chunks)
-    tuner = None if p.kind in MATVEC_TILES else tuner_for(xq.device)
-    if tuner is not None:
-        tile = tuner.choose(("matvec_glu", p.kind, p.rows, n_chunks),
-                            matvec_candidates(n_chunks), run, tile)
-    run(tile)
+    run(_matvec_tile("matvec_glu", p, xq.device, run))
     return out, _as_matvec_blocks(blocks)
 
 
@@ -1023,12 +983,10 @@ def prompt_matmul(x, p: Planes, bias=None, fused: bool | None = None,
 
     if fused is not None:
         return run(DQ_GEMM_TILE if fused else "cublas")
-    tuner = tuner_for(x.device)
-    if tuner is None:
-        return run("cublas")
     key = ("gemm", p.kind, p.rows, p.cols, triton.next_power_of_2(x.shape[0]))
     # (timed without the bias, as the mat-vec's tiles are)
-    return run(tuner.choose(key, GEMM_CANDIDATES, lambda c: run(c, None), "cublas"))
+    return run(tuning.choose(x.device, key, GEMM_CANDIDATES, lambda c: run(c, None),
+                             "cublas"))
 
 
 def _dequantize_mm(x, p: Planes, bias, f32_out: bool):

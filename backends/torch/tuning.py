@@ -10,12 +10,16 @@ written to ``$EDGELLM_HOME/tuning/<gpu>.json``, so a later process on the same c
 and kernel version times nothing. A candidate that fails to compile or launch is skipped;
 when every one fails, or while a graph is being captured (nothing may synchronize there),
 the caller's default runs. ``EDGELLM_TUNE=0`` turns timing off (defaults only).
+
+Kernels ask through ``choose(device, key, ...)``: one ``Tuner`` per CUDA device
+(``tuner_for``), none on the CPU (the caller's default runs).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -80,26 +84,30 @@ class Tuner:
         self.path, self.version, self.timer, self.busy = path, version, timer, busy
         self.seconds = 0.0  # spent timing candidates (compiles included), this process
         self._lock = threading.RLock()
-        self._choices: dict[str, Any] = self._read()
+        self._choices: dict[str, Any] = self._read()  # by the key's name, as saved
+        self._known: dict[tuple, Any] = {}  # by the key itself: each launch's lookup
 
-    def choose(self, key: Sequence[Hashable], candidates: Sequence[Any],
+    def choose(self, key: tuple[Hashable, ...], candidates: Sequence[Any],
                run: Callable[[Any], Any], default: Any) -> Any:
         """The remembered choice for ``key``, else the fastest candidate (``run(c)``
         launches candidate c once), else ``default``. Candidates are tuples or strings."""
+        known = self._known.get(key)  # (every launch asks: a dict lookup, no lock)
+        if known is not None:
+            return known
         name = ":".join(map(str, key))
         with self._lock:
-            if name in self._choices:
-                return self._choices[name]
-            if self.busy():
-                return default
-            start = time.perf_counter()
-            best = self._fastest(name, candidates, run)
-            self.seconds += time.perf_counter() - start
-            if best is None:
-                return default
-            self._choices[name] = best
-            self._write()
-            return best
+            if name not in self._choices:
+                if self.busy():
+                    return default
+                start = time.perf_counter()
+                best = self._fastest(name, candidates, run)
+                self.seconds += time.perf_counter() - start
+                if best is None:
+                    return default
+                self._choices[name] = best
+                self._write()
+            self._known[key] = self._choices[name]
+            return self._known[key]
 
     def _fastest(self, name: str, candidates: Sequence[Any], run) -> Any:
         timed = []
@@ -150,3 +158,48 @@ def device_file(home: Path, device_name: str) -> Path:
     """``home/tuning/<card's name as a file name>.json``."""
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower() or "gpu"
     return home / "tuning" / f"{slug}.json"
+
+
+#: Tuners by device name (tests install their own), and by the device objects that asked
+_tuners: dict[str, Tuner] = {}
+_by_device: dict = {}
+
+
+def tuner_for(device) -> Tuner | None:
+    """The device's ``Tuner``: one per CUDA device, its choices saved per card under
+    ``$EDGELLM_HOME/tuning``; None elsewhere and with ``EDGELLM_TUNE=0``."""
+    if device in _by_device:  # (every launch asks: a dict lookup, nothing more)
+        return _by_device[device]
+    import torch
+
+    given = device
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one tuner
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = str(device)
+    if key not in _tuners:
+        if device.type != "cuda" or os.environ.get("EDGELLM_TUNE", "1") == "0":
+            return None
+        _tuners[key] = _new_tuner(device)
+    _by_device[given] = _tuners[key]
+    return _tuners[key]
+
+
+def choose(device, key: tuple[Hashable, ...], candidates: Sequence[Any],
+           run: Callable[[Any], Any], default: Any) -> Any:
+    """``Tuner.choose`` with the device's tuner; ``default`` where there is none."""
+    tuner = tuner_for(device)
+    return default if tuner is None else tuner.choose(key, candidates, run, default)
+
+
+def _new_tuner(device) -> Tuner:
+    import torch
+    import triton
+
+    from edgellm.store import edgellm_home
+
+    name = torch.cuda.get_device_name(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    version = (f"{name} sm{major}{minor} triton {triton.__version__} torch "
+               f"{torch.__version__} kernels {KERNELS_VERSION}")
+    return Tuner(device_file(edgellm_home(), name), version)
