@@ -7,16 +7,35 @@
 # Carried in .device/ (git-ignored): whl/ (packages the machine lacks: gguf, cffi, ...),
 # skel/*.skel.gz (synthetic_gguf.py skeleton of each model), llama/ (optional:
 # llama-bench.xz, built with -DGGML_CUDA=ON against CUDA 13, and lib/libgomp.so.1).
-# Logs go to $OUT. STEPS picks what runs (default: all); PYTEST_K narrows the tests.
+#
+# STEPS names the steps, run in that order (default: all); PYTEST_K narrows the tests.
+# BUDGET_S: the seconds the whole script may take (a lease is short): a step is cut to what
+# is left, and skipped when too little is. Logs are gathered in $LOGS and packed into
+# $OUT/logs.tgz after every step (the lease hands back 8 files at most, and a step cut
+# short keeps what it wrote).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"llama bench tests profile prefill ab mem matvec sweep"}
-mkdir -p "$OUT" /tmp/m
+STEPS=${STEPS:-"tests llama bench tune ab profile prefill mem matvec sweep"}
+START=$SECONDS
+BUDGET_S=${BUDGET_S:-100000}
+LOGS=/tmp/edgellm-logs
+mkdir -p "$OUT" "$LOGS" /tmp/m
 # kernel variants are timed once per card (backends/torch/tuning.py); every step shares the
-# choices, which come back in $OUT/home/tuning
-export EDGELLM_HOME=${EDGELLM_HOME:-$OUT/home}
-has() { [[ " $STEPS " == *" $1 "* ]]; }
+# choices, which come back in logs.tgz (tuning/)
+export EDGELLM_HOME=${EDGELLM_HOME:-/tmp/edgellm-home}
+
+left() { echo $((BUDGET_S - (SECONDS - START))); }
+# limit N: N seconds, or what the budget leaves less 15 s to pack the logs
+limit() { local l=$(($(left) - 15)); echo $((l < $1 ? l : $1)); }
+# enough N WHAT: are more than N seconds left? (else say WHAT is skipped)
+enough() { (($(left) > $1)) || { echo "== skipped ($(left) s left): ${*:2}"; false; }; }
+pack() {
+    [ -d "$EDGELLM_HOME/tuning" ] && cp -r "$EDGELLM_HOME/tuning" "$LOGS/"
+    tar -czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
+    echo "   [$((SECONDS - START)) s]"
+}
+name() { basename "$1" .gguf; }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .device/whl/*.whl || exit 1
@@ -31,84 +50,117 @@ for s in .device/skel/*.skel.gz; do
 done
 wait
 ls -la /tmp/m
-MODELS=(/tmp/m/gemma-3-270m-q4_k_m.gguf /tmp/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
-        /tmp/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf)
+GEMMA=/tmp/m/gemma-3-270m-q4_k_m.gguf
+SMALL=/tmp/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+LARGE=/tmp/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+MODELS=("$LARGE" "$GEMMA" "$SMALL")  # the goals' models first
+
+step_tests() {  # first: the kernels' results on this GPU, before any figure is believed
+    echo "== tests on CUDA"  # (no tuning but the tuning test's own: 8 workers compiling)
+    enough 60 tests || return
+    EDGELLM_TUNE=0 timeout "$(limit 200)" python3 -m pytest -q -p no:cacheprovider -n 8 \
+        tests/test_torch_kernels.py tests/test_torch_tuning.py tests/test_torch_models.py \
+        tests/test_backend_conformance.py -k "${PYTEST_K:-torch and not teacher}" \
+        > "$LOGS/pytest.log" 2>&1
+    echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 20
+    tail -n 2 "$LOGS/pytest.log"
+}
+
 LLAMA=""
-if has llama && [ -f .device/llama/llama-bench.xz ]; then  # built with CUDA elsewhere
+step_llama() {  # unpack llama.cpp's CUDA llama-bench; `bench` runs it beside ours
+    [ -f .device/llama/llama-bench.xz ] || return
     xz -dc .device/llama/llama-bench.xz > /tmp/llama-bench && chmod +x /tmp/llama-bench
+    local libs
     libs=$(find /usr/local /opt -name 'libcublas.so.13' -o -name 'libcudart.so.13' 2>/dev/null \
            | xargs -r -n1 dirname | sort -u | tr '\n' ':')
     export LD_LIBRARY_PATH="${libs}$PWD/.device/llama/lib:${LD_LIBRARY_PATH:-}"
     /tmp/llama-bench --list-devices 2>&1 | tail -n 3 && LLAMA=/tmp/llama-bench
-fi
-if has bench; then
-    for m in "${MODELS[@]}"; do
-        if [ -n "$LLAMA" ]; then
-            echo "== llama-bench CUDA $(basename "$m")"
-            timeout 100 "$LLAMA" -m "$m" -p 512 -n 128 -r 3 -ngl 99 -o md 2>&1 \
-                | tee -a "$OUT/llama-bench.md" | grep -E "^\|" | tail -n 2
-        fi
-        echo "== edgellm bench --backend torch $(basename "$m")"
-        # (the first run on a card times kernel variants: tune_s)
-        timeout 240 python3 -m edgellm.apps.cli bench -m "$m" \
-            --backend torch -p 512 -n 128 -r 3 -o json \
-            > "$OUT/bench-$(basename "$m" .gguf).json" 2> "$OUT/bench.err"
-        rc=$?; echo "rc=$rc"; tail -n 3 "$OUT/bench.err"
-        if [ $rc != 0 ]; then  # the fusions off, to have figures at all
-            echo "== again with EDGELLM_FUSE_QUANTIZE=0"
-            EDGELLM_FUSE_QUANTIZE=0 timeout 100 python3 -m edgellm.apps.cli bench -m "$m" \
-                --backend torch -p 512 -n 128 -r 3 -o json \
-                > "$OUT/bench-$(basename "$m" .gguf).json" 2> "$OUT/bench.err"
-            echo "rc=$?"; tail -n 3 "$OUT/bench.err"
-        fi
-        python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s', {k: r.get(k) for k in ('capture_s','tune_s','peak_device_memory','device_weight_bytes','kv_bytes','bandwidth','peak_bandwidth','ttft_ms')}) for r in json.load(open(sys.argv[1]))]" "$OUT/bench-$(basename "$m" .gguf).json"
-    done
-fi
-if has tests; then  # (after the speed runs: a hung test cannot cost their figures)
-    echo "== tests on CUDA"  # (no tuning but the tuning test's own: 8 workers compiling)
-    EDGELLM_TUNE=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_torch_kernels.py \
-        tests/test_torch_models.py tests/test_backend_conformance.py -k "${PYTEST_K:-torch and not teacher}" \
-        > "$OUT/pytest.log" 2>&1
-    echo "pytest rc=$?"; tail -n 25 "$OUT/pytest.log"
-fi
-if has profile; then  # kernels per prompt and decode step: the 1.5B's decode, Gemma's prefill
-    for m in "${MODELS[2]}" "${MODELS[0]}"; do
-        name=$(basename "$m" .gguf)
-        echo "== profile ($name)"
-        timeout 90 python3 benchmarks/torch_profile.py "$m" 2>&1 | tee "$OUT/profile-$name.txt" \
-            | tail -n 40
-    done
-fi
-if has prefill; then  # a prompt's GEMM variants (cast, f32 out, fused tiles) and ring rules
-    for m in "${MODELS[0]}" "${MODELS[2]}"; do
-        echo "== prefill A/B $(basename "$m")"
-        timeout 180 python3 benchmarks/torch_prefill_ab.py "$m" ${PREFILL_TILES:+--tiles "$PREFILL_TILES"} \
-            2>&1 | tee -a "$OUT/prefill_ab.txt" | tail -n 12
-    done
-fi
-if has ab; then  # decode: launch fusions off/on (alternating processes), host vs device argmax
-    for m in "${MODELS[2]}" "${MODELS[0]}"; do
-        for fuse in ${AB_ORDER:-0 1 0 1}; do
-            EDGELLM_FUSE_LAUNCHES=$fuse timeout 90 python3 benchmarks/torch_decode_ab.py "$m" \
-                2>&1 | tail -n 1
-        done
-    done
-fi
-if has mem; then  # device memory at peak and pp512: cuBLAS's workspace 32 MiB against ours, 16
-    for m in "${MODELS[0]}"; do  # (the model furthest over 1.2x at 32 MiB)
-        for ws in ":4096:8" ":4096:4" ":4096:8" ":4096:4"; do
-            echo "== CUBLAS_WORKSPACE_CONFIG=$ws $(basename "$m")"
-            CUBLAS_WORKSPACE_CONFIG=$ws timeout 100 python3 -m edgellm.apps.cli bench -m "$m" \
-                --backend torch -p 512 -n 128 -r 5 -o json 2>/dev/null | python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s peak', r.get('peak_device_memory'), 'gguf', r.get('size'), 'kv', r.get('kv_bytes')) for r in json.load(sys.stdin)]"
-        done
-    done
-fi
-if has matvec; then
-    echo "== mat-vec GB/s"
-    timeout 60 python3 benchmarks/torch_matvec.py 2>&1 | tail -n 20
-fi
-if has sweep; then
-    echo "== mat-vec tile sweep"
-    timeout 120 python3 benchmarks/torch_matvec.py --tiles 2>&1 | tee "$OUT/sweep.txt" | tail -n 14
-fi
+}
 
+step_bench() {
+    local m json off rc
+    for m in "${MODELS[@]}"; do
+        if [ -n "$LLAMA" ] && enough 40 llama-bench "$(name "$m")"; then
+            echo "== llama-bench CUDA $(name "$m")"
+            timeout "$(limit 100)" "$LLAMA" -m "$m" -p 512 -n 128 -r 3 -ngl 99 -o md 2>&1 \
+                | tee -a "$LOGS/llama-bench.md" | grep -E "^\|" | tail -n 2
+        fi
+        echo "== edgellm bench --backend torch $(name "$m")"
+        # (the first run on a card times kernel variants: tune_s)
+        json="$LOGS/bench-$(name "$m").json"
+        # on failure, again with fewer fusions: the newest launch fusions, then all of them
+        for off in "" "EDGELLM_FUSE_LAUNCHES=0" "EDGELLM_FUSE_LAUNCHES=0 EDGELLM_FUSE_QUANTIZE=0"
+        do
+            enough 60 bench "$(name "$m")" $off || break
+            [ -n "$off" ] && echo "== again with $off"
+            env $off timeout "$(limit 240)" python3 -m edgellm.apps.cli bench -m "$m" \
+                --backend torch -p 512 -n 128 -r 3 -o json > "$json" 2> "$LOGS/bench.err"
+            rc=$?; echo "rc=$rc"; tail -n 3 "$LOGS/bench.err"
+            [ $rc = 0 ] && break
+        done
+        [ -s "$json" ] && python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s', {k: r.get(k) for k in ('capture_s','tune_s','peak_device_memory','device_weight_bytes','kv_bytes','bandwidth','peak_bandwidth','ttft_ms')}) for r in json.load(open(sys.argv[1]))]" "$json"
+        pack
+    done
+}
+
+decode_ab() {  # decode_ab VAR VALUES MODEL...: torch_decode_ab.py in alternating processes
+    local var=$1 values=$2 m v
+    for m in "${@:3}"; do
+        for v in $values; do
+            enough 45 "decode A/B $var=$v $(name "$m")" || return
+            env "$var=$v" timeout "$(limit 90)" python3 benchmarks/torch_decode_ab.py "$m" 2>&1 \
+                | tee -a "$LOGS/decode_ab.txt" | tail -n 1
+        done
+    done
+}
+# decode: the tiles the card chose (the `bench` step saved them) against the defaults
+step_tune() { decode_ab EDGELLM_TUNE "${TUNE_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
+# decode: launch fusions off/on; host vs device argmax
+step_ab() { decode_ab EDGELLM_FUSE_LAUNCHES "${AB_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
+
+step_profile() {  # kernels per prompt and decode step: the 1.5B's decode, Gemma's prefill
+    local m
+    for m in "$LARGE" "$GEMMA"; do
+        enough 45 "profile $(name "$m")" || return
+        echo "== profile $(name "$m")"
+        timeout "$(limit 90)" python3 benchmarks/torch_profile.py "$m" 2>&1 \
+            | tee "$LOGS/profile-$(name "$m").txt" | tail -n 40
+    done
+}
+
+step_prefill() {  # a prompt's GEMM variants (cast, f32 out, fused tiles) and ring rules
+    local m
+    for m in "$GEMMA" "$LARGE"; do
+        enough 60 "prefill A/B $(name "$m")" || return
+        echo "== prefill A/B $(name "$m")"
+        timeout "$(limit 180)" python3 benchmarks/torch_prefill_ab.py "$m" \
+            ${PREFILL_TILES:+--tiles "$PREFILL_TILES"} 2>&1 | tee -a "$LOGS/prefill_ab.txt" \
+            | tail -n 12
+    done
+}
+
+step_mem() {  # device memory at peak and pp512: cuBLAS's workspace 32 MiB against ours, 16
+    local ws  # (Gemma: the model furthest over 1.2x at 32 MiB)
+    for ws in ":4096:8" ":4096:4" ":4096:8" ":4096:4"; do
+        enough 40 "mem $ws" || return
+        echo "== CUBLAS_WORKSPACE_CONFIG=$ws $(name "$GEMMA")"
+        CUBLAS_WORKSPACE_CONFIG=$ws timeout "$(limit 100)" python3 -m edgellm.apps.cli bench \
+            -m "$GEMMA" --backend torch -p 512 -n 128 -r 5 -o json 2>/dev/null | python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s peak', r.get('peak_device_memory'), 'gguf', r.get('size'), 'kv', r.get('kv_bytes')) for r in json.load(sys.stdin)]"
+    done
+}
+
+step_matvec() {
+    echo "== mat-vec GB/s"
+    enough 60 matvec && timeout "$(limit 60)" python3 benchmarks/torch_matvec.py 2>&1 | tail -n 20
+}
+
+step_sweep() {
+    echo "== mat-vec tile sweep"
+    enough 60 sweep && timeout "$(limit 120)" python3 benchmarks/torch_matvec.py --tiles 2>&1 \
+        | tee "$LOGS/sweep.txt" | tail -n 14
+}
+
+for s in $STEPS; do
+    "step_$s"
+    pack
+done

@@ -10,7 +10,8 @@
     python benchmarks/torch_decode_ab.py MODEL.gguf [--steps 128] [--rounds 3]
 
 Run it under EDGELLM_FUSE_LAUNCHES=0 and =1 (alternating processes) to see the launch
-fusions' share. Needs CUDA.
+fusions' share, or EDGELLM_TUNE=0 and =1 to see the tuned tiles' (backends/torch/tuning.py).
+Needs CUDA.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def main() -> None:
         torch.cuda.synchronize()
         rates["replay"].append(1e3 * args.steps / begin.elapsed_time(end))
     fuse = os.environ.get("EDGELLM_FUSE_LAUNCHES", "1")
-    print(f"{os.path.basename(args.model)} fuse_launches={fuse}: " + ", ".join(
+    tune = os.environ.get("EDGELLM_TUNE", "1")
+    print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune}: " + ", ".join(
         f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
         for name, r in rates.items()))
 
