@@ -16,7 +16,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests llama bench tune ab profile prefill mem matvec sweep"}
+STEPS=${STEPS:-"tests llama bench tune ab fusions profile prefill mem matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -117,6 +117,10 @@ decode_ab() {  # decode_ab VAR VALUES MODEL...: torch_decode_ab.py in alternatin
 step_tune() { decode_ab EDGELLM_TUNE "${TUNE_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
 # decode: launch fusions off/on; host vs device argmax
 step_ab() { decode_ab EDGELLM_FUSE_LAUNCHES "${AB_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
+# decode: each of the newest fusions off alone (backend.FUSIONS), against all on (",")
+step_fusions() {
+    decode_ab EDGELLM_UNFUSE "${UNFUSE_ORDER:-, attention_blocks glu kv_write ,}" "$LARGE"
+}
 
 step_profile() {  # kernels per prompt and decode step: the 1.5B's decode, Gemma's prefill
     local m

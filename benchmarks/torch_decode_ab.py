@@ -10,8 +10,8 @@
     python benchmarks/torch_decode_ab.py MODEL.gguf [--steps 128] [--rounds 3]
 
 Run it under EDGELLM_FUSE_LAUNCHES=0 and =1 (alternating processes) to see the launch
-fusions' share, or EDGELLM_TUNE=0 and =1 to see the tuned tiles' (backends/torch/tuning.py).
-Needs CUDA.
+fusions' share, EDGELLM_UNFUSE=glu (etc.: backend.FUSIONS) for one fusion's, or
+EDGELLM_TUNE=0 and =1 for the tuned tiles' (backends/torch/tuning.py). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def main() -> None:
         rates["replay"].append(1e3 * args.steps / begin.elapsed_time(end))
     fuse = os.environ.get("EDGELLM_FUSE_LAUNCHES", "1")
     tune = os.environ.get("EDGELLM_TUNE", "1")
-    print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune}: " + ", ".join(
+    unfused = ",".join(sorted(model.backend.unfused)) or "-"
+    print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune} "
+          f"unfused={unfused}: " + ", ".join(
         f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
         for name, r in rates.items()))
 

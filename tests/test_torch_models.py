@@ -161,14 +161,18 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
 
 
 @pytest.mark.skipif(CUDA, reason="counts the eager twin's launches (on CUDA: one replay)")
-def test_decode_step_launches(tmp_path, monkeypatch):
+@pytest.mark.parametrize("unfuse,extra", [("", None), ("glu", "_then_q8_kernel"),
+                                          ("kv_write", "_store_kv_kernel"),
+                                          ("attention_blocks", "_quantize_kernel")])
+def test_decode_step_launches(tmp_path, monkeypatch, unfuse, extra):
     """A graph's decode step on the GPU path (here its eager twin in the interpreter) is 8
     triton launches a layer when Q, K and V share a type, and no torch arithmetic between
     them: the chained blocks' residual launches apply the next norm (no add, no norm
     launch), attention writes the output projection's blocks (no quantize launch) and
     stores the step's keys and values (no KV write launch), and the gate+up mat-vec
     applies the GLU and writes the down projection's blocks (no GLU launch). Around the
-    layers: the embedding row, the first norm, the output mat-vec."""
+    layers: the embedding row, the first norm, the output mat-vec. Each fusion that
+    EDGELLM_UNFUSE turns off costs one launch a layer, the kernel it had saved."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from edgellm.backends.torch import kernels
@@ -176,6 +180,7 @@ def test_decode_step_launches(tmp_path, monkeypatch):
 
     monkeypatch.setenv("EDGELLM_FUSE_LAUNCHES", "1")
     monkeypatch.setenv("EDGELLM_FUSE_QUANTIZE", "1")
+    monkeypatch.setenv("EDGELLM_UNFUSE", unfuse)
     backend = _graph_backend(triton=True)
     layers = 3
     net = _tiny_net(tmp_path, Q.Q8_0, backend, small=True, layers=layers)
@@ -197,10 +202,22 @@ def test_decode_step_launches(tmp_path, monkeypatch):
     launched.clear()
     with Arithmetic():
         net.forward(np.array([5]), cache)
-    assert "_quantize_kernel" not in launched and not arithmetic, (launched, arithmetic)
-    assert "_store_kv_kernel" not in launched, launched
-    assert launched.count("_qmv_glu_kernel") == layers, launched
-    assert len(launched) == 8 * layers + 3, launched
+    assert not arithmetic, arithmetic
+    # (one _then_q8_kernel before the layers: the first norm)
+    fused_away = {"_quantize_kernel": 0, "_store_kv_kernel": 0, "_then_q8_kernel": 1}
+    for name, count in fused_away.items():
+        assert launched.count(name) == count + (layers if name == extra else 0), launched
+    assert launched.count("_qmv_glu_kernel") == (0 if unfuse == "glu" else layers), launched
+    assert len(launched) == (8 + bool(extra)) * layers + 3, launched
+
+
+def test_unknown_fusion_names_are_refused(monkeypatch):
+    """EDGELLM_UNFUSE names only the fusions there are (a typo would A/B nothing)."""
+    from edgellm.backends.torch import TorchBackend
+
+    monkeypatch.setenv("EDGELLM_UNFUSE", "glu,kv_writes")
+    with pytest.raises(ValueError, match="unknown fusion kv_writes"):
+        TorchBackend(device="cpu")
 
 
 class _Counted:

@@ -112,6 +112,20 @@ def _stackable(a: TorchWeight, b: TorchWeight) -> bool:
             and a.cols == b.cols and a is not b)
 
 
+#: the decode fusions EDGELLM_UNFUSE may turn off: the output projection's blocks written
+#: by attention, the gate+up mat-vec's GLU, the KV write in attention's launch
+FUSIONS = ("attention_blocks", "glu", "kv_write")
+
+
+def _unfused(names: str) -> frozenset[str]:
+    """EDGELLM_UNFUSE's comma-separated fusion names, checked against FUSIONS."""
+    off = frozenset(n.strip() for n in names.split(",") if n.strip())
+    if unknown := off - set(FUSIONS):
+        raise ValueError(f"EDGELLM_UNFUSE: unknown fusion {', '.join(sorted(unknown))} "
+                         f"(known: {', '.join(FUSIONS)})")
+    return off
+
+
 def _mm_writes_f32(device: torch.device) -> bool:
     """Can ``torch.mm`` on this device write f32 from f16 inputs (``out_dtype``: cuBLAS's
     f32-output GEMM, torch >= 2.8 on CUDA)?"""
@@ -199,6 +213,8 @@ class TorchBackend(Backend):
         self.fuse_quantize = os.environ.get("EDGELLM_FUSE_QUANTIZE", "1") != "0"
         # Q/K norms + RoPE, and a sublayer's residual add + norms, one launch each
         self.fuse_launches = os.environ.get("EDGELLM_FUSE_LAUNCHES", "1") != "0"
+        #: decode fusions turned off one by one (EDGELLM_UNFUSE=glu,kv_write: A/B runs)
+        self.unfused = _unfused(os.environ.get("EDGELLM_UNFUSE", ""))
         #: a prompt's GEMM: W's tiles dequantized inside one triton kernel (True: no f16
         #: copy of W, no dequantize launch), or W dequantized for torch's GEMM (False), or
         #: on a GPU whichever is faster for the shape, timed at its first use (None; the
@@ -510,7 +526,7 @@ class TorchBackend(Backend):
         if write is not None:
             slots, kn, vn = write[0], write[1].contiguous(), write[2].contiguous()
             write = (slots, kn, vn)
-            if not (self._fused() and self._split_attention(q)):
+            if not (self._fused() and self._split_attention(q)) or "kv_write" in self.unfused:
                 self.kernels.store_kv(k, v, slots, kn, vn)
                 write = None
         if self.ggml_numerics:
@@ -522,7 +538,8 @@ class TorchBackend(Backend):
         if self._split_attention(q):  # decode, speculative checks: one launch
             args = (q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous(), scale,
                     softcap)
-            if self._fused() and n <= self.kernels.MATVEC_MAX_TOKENS:
+            if (self._fused() and n <= self.kernels.MATVEC_MAX_TOKENS
+                    and "attention_blocks" not in self.unfused):
                 # the output projection's 8-bit blocks written in the same launch
                 out, blocks = self.kernels.attention(*args, quantize=True, write=write)
                 self._prequantized = (out, blocks)
@@ -612,7 +629,7 @@ class TorchBackend(Backend):
         no biases, K not split): the mat-vec, the GLU and the down projection's 8-bit
         blocks in one launch (``kernels.qmatvec_glu``); else the matmuls, then the GLU."""
         x = self.asarray(x)
-        if self._fused() and self._quantizes_after(x):
+        if self._fused() and self._quantizes_after(x) and "glu" not in self.unfused:
             x = x.contiguous()
             plan = self._stacked((w_gate, w_up), (None, None))
             stacked, bias, members = plan[0]

@@ -172,17 +172,23 @@ def tuner_for(device) -> Tuner | None:
         return _by_device[device]
     import torch
 
-    given = device
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one tuner
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
+    key = device_key(device)
     if key not in _tuners:
-        if device.type != "cuda" or os.environ.get("EDGELLM_TUNE", "1") == "0":
+        if not key.startswith("cuda") or os.environ.get("EDGELLM_TUNE", "1") == "0":
             return None
-        _tuners[key] = _new_tuner(device)
-    _by_device[given] = _tuners[key]
+        _tuners[key] = _new_tuner(torch.device(key))
+    _by_device[device] = _tuners[key]
     return _tuners[key]
+
+
+def device_key(device) -> str:
+    """The name a device's tuner is kept under: "cuda" and "cuda:0" are one GPU."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
 
 def choose(device, key: tuple[Hashable, ...], candidates: Sequence[Any],
