@@ -1163,8 +1163,9 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
 
     Compiled without multiply-add contraction: the combine's sums over the splits then
     give the same bits for any number of trailing splits the mask hides, so attention over
-    a graph's whole storage equals eager attention over the slots used so far (contracted,
-    they differed by ulps that 8-bit activations turned into 0.1 logit on an H200)."""
+    a graph's whole storage equals eager attention over the slots used so far (the split
+    count was what differed when graph and eager decode parted by 0.13 logit on an H200;
+    docs/architecture.md)."""
     import torch
 
     n, H, hd = q.shape
