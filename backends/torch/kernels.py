@@ -579,9 +579,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
     from the cache's f16 (or f32) keys and values. A program per (token, head, split):
     enough of them at one token to fill a GPU. The last split of a (token, head) to finish
     (a counter each, as the split-K mat-vec) combines the partial results into the output:
-    no second launch. QUANT: the last head of a token to be combined (a counter per token,
-    after the n_rows heads') also writes the token's output row (H * HD) as the 8-bit
-    blocks of the output projection's mat-vec (``_store_q8_blocks``): no quantize launch.
+    no second launch. QUANT: the token's output row (H * HD) also goes out as the 8-bit
+    blocks of the output projection's mat-vec, each 256 columns written by the last of
+    their heads to be combined (``_head_q8_chunks``): no quantize launch.
     WRITE (> 0: the step's token count): the step's new keys and values kn, vn (WRITE, KVH,
     HD) f32 go to cache slots ``slots`` in this launch, the KV write's: the first split of
     a group's first head stores its token's row, and every program reads a new row from
@@ -634,11 +634,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
         _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD, NS)
         tl.atomic_xchg(count_ptr + row, 0)  # ready for the next launch
         if QUANT:
-            tl.debug_barrier()  # the head's output written before the token's count
-            if tl.atomic_add(count_ptr + n_rows + tok, 1) == H - 1:
-                _row_q8_blocks(out_ptr, tok.to(tl.int64), H * HD, KP, q32_ptr, d32_ptr,
-                               q256_ptr, d256_ptr, K256)
-                tl.atomic_xchg(count_ptr + n_rows + tok, 0)
+            tl.debug_barrier()  # the head's output written before its chunks' counts
+            _head_q8_chunks(out_ptr, count_ptr + n_rows, tok, h, H * HD, KP, q32_ptr,
+                            d32_ptr, q256_ptr, d256_ptr, HD, K256)
 
 
 @triton.jit
@@ -667,14 +665,24 @@ def _new_rows(x, t, cache_ptr, new_ptr, slots_ptr, kvh, KVH, HD: tl.constexpr,
 
 
 @triton.jit
-def _row_q8_blocks(x_ptr, row, K, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
-                   K256: tl.constexpr):
-    """Row ``row`` of x (n, K) f32, which other programs wrote (read past L1), as a
-    mat-vec's 8-bit blocks (``_store_q8_blocks``, 256 values at a time; zeros past K)."""
-    for c in range(0, KP, 256):
-        j = c + tl.arange(0, 256)
-        y = tl.load(x_ptr + row * K + j, mask=j < K, other=0.0, cache_modifier=".cg")
-        _store_q8_blocks(y, row, c, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K256)
+def _head_q8_chunks(x_ptr, count_ptr, tok, h, K, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
+                    HD: tl.constexpr, K256: tl.constexpr):
+    """After head h of token tok wrote its HD outputs of the token's row x (n, K): each
+    256-column chunk of the row that the head's columns touch is quantized by the last of
+    the chunk's heads to finish (a counter per (token, chunk), after the heads' own), as
+    ``_store_q8_blocks`` (zeros past K). A chunk waits for its own 1-4 heads, not the
+    token's every head, and the token's chunks are quantized in parallel."""
+    n_chunks = tl.cdiv(K, 256)
+    for c0 in range(h * HD // 256 * 256, h * HD + HD, 256):
+        heads = (tl.minimum(c0 + 256, K) - 1) // HD - c0 // HD + 1  # the chunk's heads
+        count = count_ptr + tok * n_chunks + c0 // 256
+        if tl.atomic_add(count, 1) == heads - 1:  # acq_rel: the other heads' outputs seen
+            j = c0 + tl.arange(0, 256)
+            y = tl.load(x_ptr + tok.to(tl.int64) * K + j, mask=j < K, other=0.0,
+                        cache_modifier=".cg")
+            _store_q8_blocks(y, tok.to(tl.int64), c0, KP, q32_ptr, d32_ptr, q256_ptr,
+                             d256_ptr, K256)
+            tl.atomic_xchg(count, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -1181,7 +1189,8 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
     padded, blocks = _q8_outputs(n, H * hd, dev) if quantize else (0, {})
     slots, kn, vn = write if write is not None else (out, out, out)  # (unread without)
     _attn_split_kernel[(n, H, n_splits)](
-        q, k, v, mask.view(torch.uint8), m, l_s, acc, out, _counters(dev, n * H + n), T, H,
+        q, k, v, mask.view(torch.uint8), m, l_s, acc, out,
+        _counters(dev, n * H + n * triton.cdiv(H * hd, 256)), T, H,
         kvh, n_splits, scale, softcap or 1.0, n * H, *_q8_args(blocks, out), padded, kn, vn,
         slots, G=H // kvh, HD=hd, BT=bt, SPLIT=split, SOFTCAP=bool(softcap),
         NS=max(triton.next_power_of_2(n_splits), 2), QUANT=quantize, K256=256 in blocks,
