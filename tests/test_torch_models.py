@@ -211,6 +211,31 @@ def test_decode_step_launches(tmp_path, monkeypatch, unfuse, extra):
     assert len(launched) == (8 + bool(extra)) * layers + 3, launched
 
 
+@pytest.mark.skipif(CUDA, reason="counts eager launches in the interpreter")
+def test_eager_decode_takes_attentions_blocks(tmp_path, monkeypatch):
+    """An eager decode step (no graphs: the model's one-token attention_append) hands the
+    output projection the 8-bit blocks attention's launch wrote: no quantize launch, and
+    the same logits as the graph step's eager twin."""
+    from edgellm.backends.torch import kernels
+    from edgellm.quants import Q
+
+    backend = _graph_backend(triton=True)
+    net = _tiny_net(tmp_path, Q.Q8_0, backend, small=True, layers=2)
+    outs = []
+    for graphs in (None, backend.graphs):
+        backend.graphs = graphs
+        cache = net.make_cache(64)
+        net.forward(np.arange(1, 17), cache)
+        launched: list[str] = []
+        with monkeypatch.context() as patch:
+            for name in [n for n in dir(kernels) if n.endswith("_kernel")]:
+                patch.setattr(kernels, name, _Counted(getattr(kernels, name), name, launched))
+            outs.append(net.forward(np.array([5]), cache))
+        if graphs is None:
+            assert "_quantize_kernel" not in launched, launched
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_unknown_fusion_names_are_refused(monkeypatch):
     """EDGELLM_UNFUSE names only the fusions there are (a typo would A/B nothing)."""
     from edgellm.backends.torch import TorchBackend

@@ -209,6 +209,8 @@ class TorchBackend(Backend):
         self._stacks: dict[tuple, tuple] = {}  # matmuls' weight ids -> (weights, _stacked plan)
         # the last norm or GLU output quantized in its own launch: (tensor, {block: blocks})
         self._prequantized: tuple = (None, {})
+        # False while attention_batch copies its parts' outputs (blocks would be dropped)
+        self._attention_blocks = True
         #: norms and GLUs of <= 8 tokens also write their output's 8-bit blocks (GPU path)
         self.fuse_quantize = os.environ.get("EDGELLM_FUSE_QUANTIZE", "1") != "0"
         # Q/K norms + RoPE, and a sublayer's residual add + norms, one launch each
@@ -539,7 +541,7 @@ class TorchBackend(Backend):
             args = (q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous(), scale,
                     softcap)
             if (self._fused() and n <= self.kernels.MATVEC_MAX_TOKENS
-                    and "attention_blocks" not in self.unfused):
+                    and self._attention_blocks and "attention_blocks" not in self.unfused):
                 # the output projection's 8-bit blocks written in the same launch
                 out, blocks = self.kernels.attention(*args, quantize=True, write=write)
                 self._prequantized = (out, blocks)
@@ -552,6 +554,20 @@ class TorchBackend(Backend):
                 or hd & (hd - 1)):
             return default(q, k, v, mask, scale, softcap)
         return self._prompt_attention(default, q, k, v, mask, scale)
+
+    def attention_batch(self, q, parts, scale, softcap=0.0) -> torch.Tensor:
+        """One sequence (eager decode's ``attention_append``): its attention as is, so the
+        output projection takes the 8-bit blocks its launch wrote (no zeros, copy or
+        quantize launch); several: each into one output, their launches writing no blocks
+        (the copy would drop them)."""
+        if len(parts) == 1:
+            k, v, mask = parts[0]
+            return self.attention(q, k, v, mask, scale, softcap)
+        self._attention_blocks = False
+        try:
+            return super().attention_batch(q, parts, scale, softcap)
+        finally:
+            self._attention_blocks = True
 
     def _split_attention(self, q) -> bool:
         """Do the split (flash-decoding) kernels run q's attention? (They alone take a KV
