@@ -186,10 +186,7 @@ def test_decode_step_launches(tmp_path, monkeypatch, unfuse, extra):
     net = _tiny_net(tmp_path, Q.Q8_0, backend, small=True, layers=layers)
     cache = net.make_cache(64)
     net.forward(np.arange(1, 17), cache)
-    launched: list[str] = []
-    for name in [n for n in dir(kernels) if n.endswith("_kernel")]:
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, _Counted(real, name, launched))
+    launched = _count_launches(monkeypatch, kernels)
     arithmetic: list[str] = []
 
     class Arithmetic(TorchDispatchMode):
@@ -226,10 +223,8 @@ def test_eager_decode_takes_attentions_blocks(tmp_path, monkeypatch):
         backend.graphs = graphs
         cache = net.make_cache(64)
         net.forward(np.arange(1, 17), cache)
-        launched: list[str] = []
         with monkeypatch.context() as patch:
-            for name in [n for n in dir(kernels) if n.endswith("_kernel")]:
-                patch.setattr(kernels, name, _Counted(getattr(kernels, name), name, launched))
+            launched = _count_launches(patch, kernels)
             outs.append(net.forward(np.array([5]), cache))
         if graphs is None:
             assert "_quantize_kernel" not in launched, launched
@@ -243,6 +238,15 @@ def test_unknown_fusion_names_are_refused(monkeypatch):
     monkeypatch.setenv("EDGELLM_UNFUSE", "glu,kv_writes")
     with pytest.raises(ValueError, match="unknown fusion kv_writes"):
         TorchBackend(device="cpu")
+
+
+def _count_launches(patch, kernels) -> list[str]:
+    """Every ``kernels.*_kernel`` wrapped (through ``patch``, a monkeypatch) to record its
+    launches by name in the list returned."""
+    launched: list[str] = []
+    for name in [n for n in dir(kernels) if n.endswith("_kernel")]:
+        patch.setattr(kernels, name, _Counted(getattr(kernels, name), name, launched))
+    return launched
 
 
 class _Counted:

@@ -13,8 +13,8 @@
   per shape at first use (``tuning.choose``).
 - ``round_activations``: x rounded to those 8-bit blocks, in float (the GEMM's input).
 - ``attention``: flash-decoding for <= 8 queries: programs over (token, head, 32 key slots)
-  in f32 from the f16 cache; the last of a head's programs to finish combines them, and
-  the last head of a token may write the row's 8-bit blocks for the output projection,
+  in f32 from the f16 cache; the last of a head's programs to finish combines them, the
+  last head of each 256 columns may write their 8-bit blocks for the output projection,
   and the step's new keys and values may be stored in the same launch.
 - ``flash_prompt_attention``: a prompt's attention (flash attention, GQA rows stacked per
   KV head) on tensor cores with f32 accuracy (f16 parts of the f32 operands).
@@ -272,10 +272,9 @@ def _qmv_glu_kernel(xq_ptr, xd_ptr, out_ptr, count_ptr, q_ptr, qh_ptr, s_ptr, m_
     j0 = block * 256
     tl.debug_barrier()  # every thread's outputs written before the count is released
     if tl.atomic_add(count_ptr + block, 1) == tl.cdiv(tl.minimum(F - j0, 256), BN) - 1:
-        j = j0 + tl.arange(0, 256)
         for m in tl.static_range(M):  # acq_rel: the others' outputs are seen
-            y = tl.load(out_ptr + m * F + j, mask=j < F, other=0.0, cache_modifier=".cg")
-            _store_q8_blocks(y, m, j0, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K256)
+            _chunk_q8_blocks(out_ptr, m, j0, F, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
+                             K256)
         tl.atomic_xchg(count_ptr + block, 0)  # ready for the next launch
 
 
@@ -670,19 +669,26 @@ def _head_q8_chunks(x_ptr, count_ptr, tok, h, K, KP, q32_ptr, d32_ptr, q256_ptr,
     """After head h of token tok wrote its HD outputs of the token's row x (n, K): each
     256-column chunk of the row that the head's columns touch is quantized by the last of
     the chunk's heads to finish (a counter per (token, chunk), after the heads' own), as
-    ``_store_q8_blocks`` (zeros past K). A chunk waits for its own 1-4 heads, not the
-    token's every head, and the token's chunks are quantized in parallel."""
+    ``_chunk_q8_blocks``. A chunk waits for its own heads (256 / HD of them, or one), not
+    the token's every head, and the token's chunks are quantized in parallel."""
     n_chunks = tl.cdiv(K, 256)
     for c0 in range(h * HD // 256 * 256, h * HD + HD, 256):
         heads = (tl.minimum(c0 + 256, K) - 1) // HD - c0 // HD + 1  # the chunk's heads
         count = count_ptr + tok * n_chunks + c0 // 256
         if tl.atomic_add(count, 1) == heads - 1:  # acq_rel: the other heads' outputs seen
-            j = c0 + tl.arange(0, 256)
-            y = tl.load(x_ptr + tok.to(tl.int64) * K + j, mask=j < K, other=0.0,
-                        cache_modifier=".cg")
-            _store_q8_blocks(y, tok.to(tl.int64), c0, KP, q32_ptr, d32_ptr, q256_ptr,
+            _chunk_q8_blocks(x_ptr, tok.to(tl.int64), c0, K, KP, q32_ptr, d32_ptr, q256_ptr,
                              d256_ptr, K256)
             tl.atomic_xchg(count, 0)  # ready for the next launch
+
+
+@triton.jit
+def _chunk_q8_blocks(x_ptr, row, j0, K, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
+                     K256: tl.constexpr):
+    """Columns j0..j0 + 256 of row ``row`` of x (n, K) f32, which other programs wrote
+    (read past L1), as a mat-vec's 8-bit blocks (``_store_q8_blocks``; zeros past K)."""
+    j = j0 + tl.arange(0, 256)
+    y = tl.load(x_ptr + row * K + j, mask=j < K, other=0.0, cache_modifier=".cg")
+    _store_q8_blocks(y, row, j0, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K256)
 
 
 @triton.jit
