@@ -16,7 +16,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests llama bench tune ab fusions profile prefill mem matvec sweep"}
+STEPS=${STEPS:-"tests llama bench tune ab fusions ctx profile prefill mem matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -120,6 +120,17 @@ step_ab() { decode_ab EDGELLM_FUSE_LAUNCHES "${AB_ORDER:-0 1 0 1}" "$LARGE" "$GE
 # decode: each of the newest fusions off alone (backend.FUSIONS), against all on (",")
 step_fusions() {
     decode_ab EDGELLM_UNFUSE "${UNFUSE_ORDER:-, attention_blocks glu kv_write ,}" "$LARGE"
+}
+
+# decode over a chat's cache (4096 slots: the default context) and a long one, against the
+# bench's 144: a graph attends over its whole storage, the slots its mask hides included
+step_ctx() {
+    local c
+    for c in ${CTX_ORDER:-0 4096 32768 0}; do
+        enough 45 "decode ctx=$c" || return
+        timeout "$(limit 90)" python3 benchmarks/torch_decode_ab.py "$LARGE" --ctx "$c" 2>&1 \
+            | tee -a "$LOGS/decode_ctx.txt" | tail -n 1
+    done
 }
 
 step_profile() {  # kernels per prompt and decode step: the 1.5B's decode, Gemma's prefill

@@ -7,11 +7,14 @@
 - ``replay``: the decode graph replayed back to back, timed with CUDA events (the GPU's
   own time per step: what neither loop can beat).
 
-    python benchmarks/torch_decode_ab.py MODEL.gguf [--steps 128] [--rounds 3]
+    python benchmarks/torch_decode_ab.py MODEL.gguf [--steps 128] [--rounds 3] [--ctx N]
 
 Run it under EDGELLM_FUSE_LAUNCHES=0 and =1 (alternating processes) to see the launch
 fusions' share, EDGELLM_UNFUSE=glu (etc.: backend.FUSIONS) for one fusion's, or
-EDGELLM_TUNE=0 and =1 for the tuned tiles' (backends/torch/tuning.py). Needs CUDA.
+EDGELLM_TUNE=0 and =1 for the tuned tiles' (backends/torch/tuning.py). ``--ctx N``: a
+cache of N slots (default: the steps + 16, as ``edgellm bench``): a graph attends over its
+cache's whole storage, so this is decode's cost in a chat's cache (4096 by default) against
+the bench's. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ctx", type=int, default=0, help="cache slots (default steps + 16)")
     args = ap.parse_args()
 
     model = edgellm.load(args.model, backend="torch")
@@ -60,7 +64,7 @@ def main() -> None:
     runs = {"host": _synced(_host), "device": _synced(time_generation)}
 
     def make_cache():
-        return model.make_cache(args.steps + 16)
+        return model.make_cache(max(args.ctx, args.steps + 16))
 
     for run in runs.values():  # warm-up: captures, compiles
         run(net, make_cache, 8, 100)
@@ -81,7 +85,7 @@ def main() -> None:
     tune = os.environ.get("EDGELLM_TUNE", "1")
     unfused = ",".join(sorted(model.backend.unfused)) or "-"
     print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune} "
-          f"unfused={unfused}: " + ", ".join(
+          f"unfused={unfused} ctx={max(args.ctx, args.steps + 16)}: " + ", ".join(
         f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
         for name, r in rates.items()))
 

@@ -317,11 +317,13 @@ def test_rms_norm_rope_glu():
 @pytest.mark.parametrize("n,T,window,ring,softcap", [(1, 1, 0, False, 0.0),
                                                      (3, 50, 0, False, 30.0),
                                                      (1, 300, 40, False, 0.0),
-                                                     (4, 100, 0, True, 30.0)])
+                                                     (4, 100, 0, True, 30.0),
+                                                     (1, 1300, 700, False, 0.0)])
 def test_attention_split_kernels(heads, kv_heads, hd, n, T, window, ring, softcap):
     """Flash-decoding against the numpy reference over an f16 cache: one split and several
-    (300 slots: 10; the last to finish combines them, and resets its counter), GQA groups of
-    1..20, soft-capping, sliding windows (whole tiles masked) and ring slots out of position
+    (300 slots: 10; the last to finish combines them, and resets its counter; 1300: 41, of
+    which the window hides the first 18, combined 16 at a time), GQA groups of 1..20,
+    soft-capping, sliding windows (whole tiles masked) and ring slots out of position
     order."""
     q, k, v, mask = _attention_case(heads, kv_heads, hd, n, T, window, ring)
     got = kernels.attention(t(q), t(k), t(v), t(mask), hd ** -0.5, softcap).cpu().numpy()
@@ -363,7 +365,8 @@ def test_attention_writes_the_steps_keys_and_values(heads, kv_heads, hd, n, T, d
 @pytest.mark.parametrize("heads,kv_heads,hd,n,T,spare", [
     (12, 2, 128, 1, 45, 39),  # the 1.5B's heads: 2 splits over the slots used, 3 over storage
     (4, 1, 256, 1, 9, 200),  # Gemma's: 1 split and 7
-    (4, 2, 16, 3, 70, 300)])  # 3 tokens, 3 splits and 12
+    (4, 2, 16, 3, 70, 300),  # 3 tokens, 3 splits and 12
+    (12, 2, 128, 1, 600, 1000)])  # 19 splits and 50: combined 16 at a time
 @pytest.mark.parametrize("quantize", [False, True], ids=["plain", "blocks"])
 def test_attention_ignores_storage_past_the_mask(heads, kv_heads, hd, n, T, spare, quantize):
     """The same bits over the T slots used as over a longer storage whose extra slots the

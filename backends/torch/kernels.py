@@ -572,7 +572,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
                        d32_ptr, q256_ptr, d256_ptr, KP, kn_ptr, vn_ptr, slots_ptr,
                        G: tl.constexpr, HD: tl.constexpr, BT: tl.constexpr,
                        SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, NS: tl.constexpr,
-                       QUANT: tl.constexpr, K256: tl.constexpr, WRITE: tl.constexpr):
+                       SB: tl.constexpr, QUANT: tl.constexpr, K256: tl.constexpr,
+                       WRITE: tl.constexpr):
     """Attention of one token's query head over SPLIT key slots: the running max, sum of
     exponentials and weighted sum of values (flash-decoding's partial results), in f32
     from the cache's f16 (or f32) keys and values. A program per (token, head, split):
@@ -627,10 +628,11 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
     one = tl.arange(0, 1)
     tl.store(m_ptr + part + one, m_i)
     tl.store(l_ptr + part + one, l_i)
-    tl.store(acc_ptr + part.to(tl.int64) * HD + d, acc)
+    if tl.max(m_i, axis=0) != float("-inf"):  # a split the mask hides stores no values
+        tl.store(acc_ptr + part.to(tl.int64) * HD + d, acc)
     tl.debug_barrier()  # every thread's partial written before the count is released
     if tl.atomic_add(count_ptr + row, 1) == n_splits - 1:  # acq_rel: sees the others'
-        _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD, NS)
+        _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD, NS, SB)
         tl.atomic_xchg(count_ptr + row, 0)  # ready for the next launch
         if QUANT:
             tl.debug_barrier()  # the head's output written before its chunks' counts
@@ -693,21 +695,32 @@ def _chunk_q8_blocks(x_ptr, row, j0, K, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr
 
 @triton.jit
 def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD: tl.constexpr,
-                  NS: tl.constexpr):
+                  NS: tl.constexpr, SB: tl.constexpr):
     """One query head's output (row = token * H + head) from its partial results (read
-    past L1: other programs wrote them)."""
+    past L1: other programs wrote them): the splits' maxima and sums at once (NS of them),
+    their weighted values SB splits at a time, and only the splits that saw a key (the
+    rest stored no values). A (NS, HD) tile at once would take NS * HD / threads registers:
+    at 4096 slots (128 splits) ptxas gave it 255 and spilt."""
     s = tl.arange(0, NS)
     d = tl.arange(0, HD)
-    sm = s < n_splits
-    part = row * n_splits + s
-    m = tl.load(m_ptr + part, mask=sm, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(l_ptr + part, mask=sm, other=0.0, cache_modifier=".cg")
+    m = tl.load(m_ptr + row * n_splits + s, mask=s < n_splits, other=float("-inf"),
+                cache_modifier=".cg")
+    l_s = tl.load(l_ptr + row * n_splits + s, mask=s < n_splits, other=0.0,
+                  cache_modifier=".cg")
     top = tl.max(m, axis=0)
-    w = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))  # (NS,)
-    acc = tl.load(acc_ptr + part.to(tl.int64)[:, None] * HD + d[None, :], mask=sm[:, None],
-                  other=0.0, cache_modifier=".cg")
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-    tl.store(out_ptr + row.to(tl.int64) * HD + d, out)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(l_s * tl.exp(m - top), axis=0)
+    acc = tl.zeros((HD,), tl.float32)
+    for s0 in range(0, n_splits, SB):
+        sb = s0 + tl.arange(0, SB)
+        part = row * n_splits + sb
+        m_b = tl.load(m_ptr + part, mask=sb < n_splits, other=float("-inf"),
+                      cache_modifier=".cg")
+        seen = m_b != float("-inf")  # (SB,) splits that stored values
+        a = tl.load(acc_ptr + part.to(tl.int64)[:, None] * HD + d[None, :],
+                    mask=seen[:, None], other=0.0, cache_modifier=".cg")  # (SB, HD)
+        acc += tl.sum(a * tl.exp(m_b - top)[:, None], axis=0)
+    tl.store(out_ptr + row.to(tl.int64) * HD + d, acc / total)
 
 
 @triton.jit
@@ -1162,6 +1175,8 @@ def glu(gate, up, gelu: bool):
 
 #: queries up to which attention runs the split kernels (above: the caller's SDPA)
 ATTENTION_MAX_QUERIES = 8
+#: splits whose values a head's combine loads at a time ((SB, hd) f32 in registers)
+COMBINE_SPLITS = 16
 
 
 def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool = False,
@@ -1187,6 +1202,7 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
     bt = 32
     split = max(bt, triton.next_power_of_2(triton.cdiv(T, 256)))  # <= 256 splits
     n_splits = triton.cdiv(T, split)
+    ns = max(triton.next_power_of_2(n_splits), 2)
     dev = q.device
     m = torch.empty((n, H, n_splits), dtype=torch.float32, device=dev)
     l_s = torch.empty_like(m)
@@ -1199,7 +1215,7 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
         _counters(dev, n * H + n * triton.cdiv(H * hd, 256)), T, H,
         kvh, n_splits, scale, softcap or 1.0, n * H, *_q8_args(blocks, out), padded, kn, vn,
         slots, G=H // kvh, HD=hd, BT=bt, SPLIT=split, SOFTCAP=bool(softcap),
-        NS=max(triton.next_power_of_2(n_splits), 2), QUANT=quantize, K256=256 in blocks,
+        NS=ns, SB=min(ns, COMBINE_SPLITS), QUANT=quantize, K256=256 in blocks,
         WRITE=n if write is not None else 0, num_warps=2 if hd <= 128 else 4,
         enable_fp_fusion=False)
     return (out, _as_matvec_blocks(blocks)) if quantize else out
