@@ -16,7 +16,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests llama bench tune ab fusions ctx profile prefill mem matvec sweep"}
+STEPS=${STEPS:-"tests pdltests llama bench pdl tune ab fusions ctx profile prefill mem matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -66,6 +66,19 @@ step_tests() {  # first: the kernels' results on this GPU, before any figure is 
     tail -n 2 "$LOGS/pytest.log"
 }
 
+# the same tests with every launch a programmatic dependent launch (kernels._pdl: 2, the
+# mat-vecs' weights asked of L2 before they wait): a kernel that read the launch before's
+# output before its wait would race
+step_pdltests() {
+    echo "== tests on CUDA, EDGELLM_PDL=2"
+    enough 60 pdltests || return
+    EDGELLM_PDL=2 EDGELLM_TUNE=0 timeout "$(limit 200)" python3 -m pytest -q \
+        -p no:cacheprovider -n 8 tests/test_torch_kernels.py tests/test_torch_models.py \
+        -k "${PYTEST_K:-not teacher}" > "$LOGS/pytest-pdl.log" 2>&1
+    echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest-pdl.log" | head -n 20
+    tail -n 2 "$LOGS/pytest-pdl.log"
+}
+
 LLAMA=""
 step_llama() {  # unpack llama.cpp's CUDA llama-bench; `bench` runs it beside ours
     [ -f .device/llama/llama-bench.xz ] || return
@@ -113,6 +126,9 @@ decode_ab() {  # decode_ab VAR VALUES MODEL...: torch_decode_ab.py in alternatin
         done
     done
 }
+# decode: plain launches, programmatic dependent launches, and those with the mat-vecs'
+# weights prefetched (kernels._pdl)
+step_pdl() { decode_ab EDGELLM_PDL "${PDL_ORDER:-0 1 2 0 1 2}" "$LARGE" "$GEMMA"; }
 # decode: the tiles the card chose (the `bench` step saved them) against the defaults
 step_tune() { decode_ab EDGELLM_TUNE "${TUNE_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
 # decode: launch fusions off/on; host vs device argmax

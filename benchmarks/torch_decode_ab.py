@@ -10,11 +10,12 @@
     python benchmarks/torch_decode_ab.py MODEL.gguf [--steps 128] [--rounds 3] [--ctx N]
 
 Run it under EDGELLM_FUSE_LAUNCHES=0 and =1 (alternating processes) to see the launch
-fusions' share, EDGELLM_UNFUSE=glu (etc.: backend.FUSIONS) for one fusion's, or
-EDGELLM_TUNE=0 and =1 for the tuned tiles' (backends/torch/tuning.py). ``--ctx N``: a
-cache of N slots (default: the steps + 16, as ``edgellm bench``): a graph attends over its
-cache's whole storage, so this is decode's cost in a chat's cache (4096 by default) against
-the bench's. Needs CUDA.
+fusions' share, EDGELLM_UNFUSE=glu (etc.: backend.FUSIONS) for one fusion's,
+EDGELLM_TUNE=0 and =1 for the tuned tiles' (backends/torch/tuning.py), or EDGELLM_PDL=0, 1
+and 2 for programmatic dependent launches' (``kernels._pdl``). ``--ctx N``: a cache of N
+slots (default: the steps + 16, as ``edgellm bench``): a graph attends over its cache's
+whole storage, so this is decode's cost in a chat's cache (4096 by default) against the
+bench's. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def main() -> None:
         rates["replay"].append(1e3 * args.steps / begin.elapsed_time(end))
     fuse = os.environ.get("EDGELLM_FUSE_LAUNCHES", "1")
     tune = os.environ.get("EDGELLM_TUNE", "1")
+    pdl = os.environ.get("EDGELLM_PDL", "0")
     unfused = ",".join(sorted(model.backend.unfused)) or "-"
     print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune} "
-          f"unfused={unfused} ctx={max(args.ctx, args.steps + 16)}: " + ", ".join(
+          f"unfused={unfused} pdl={pdl} ctx={max(args.ctx, args.steps + 16)}: " + ", ".join(
         f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
         for name, r in rates.items()))
 

@@ -240,6 +240,35 @@ def test_unknown_fusion_names_are_refused(monkeypatch):
         TorchBackend(device="cpu")
 
 
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a Hopper GPU or later")
+@pytest.mark.parametrize("mode", [1, 2], ids=["wait", "prefetch"])
+def test_dependent_launches_change_no_bits(tmp_path, monkeypatch, mode):
+    """Programmatic dependent launches (EDGELLM_PDL=1: each kernel may start before the one
+    before it ends, and waits for it in ``kernels._await_inputs``; 2: the mat-vecs ask L2
+    for their weights first) give the same bits as plain launches: a prompt, decode steps
+    replayed from graphs captured each way, and eager steps. A kernel that touched the
+    previous launch's output before its wait would race, and differ here sooner or later."""
+    from edgellm.backends.torch import kernels
+    from edgellm.quants import Q
+
+    prompt, steps = [1 + (11 * i) % 250 for i in range(64)], [3, 77, 150, 9] * 8
+    outs = []
+    for pdl in (0, mode, mode):
+        monkeypatch.setattr(kernels, "_pdl_devices", {})
+        monkeypatch.setenv("EDGELLM_PDL", str(pdl))
+        backend = _graph_backend()
+        if len(outs) == 2:
+            backend.graphs = None  # eager steps
+        net = _tiny_net(tmp_path, Q.Q5_0, backend)
+        cache = net.make_cache(max_tokens=128)
+        outs.append(np.concatenate([net.forward(np.array(prompt), cache),
+                                    _decode(net, cache, steps)]))
+        assert kernels._pdl(torch.device("cuda", torch.cuda.current_device())) == pdl
+    np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_allclose(outs[2], outs[0], rtol=1e-4, atol=1e-4)  # (eager: T differs)
+
+
 def _count_launches(patch, kernels) -> list[str]:
     """Every ``kernels.*_kernel`` wrapped (through ``patch``, a monkeypatch) to record its
     launches by name in the list returned."""

@@ -35,11 +35,29 @@ import triton.language as tl
 from . import tuning
 from .packing import CHUNK, Planes
 
+try:  # grid dependency control (triton >= 3.4; Hopper and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # (then PDL is never on, and neither is called)
+    gdc_launch_dependents = gdc_wait = None
+
 #: tokens up to which a matmul runs the mat-vec kernel (above: dequantize + GEMM)
 MATVEC_MAX_TOKENS = 8
 #: 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 to the nearest even int (a constexpr: triton
 #: kernels may read no other globals)
 _MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _await_inputs(PDL: tl.constexpr):
+    """Every kernel's first step (the mat-vecs' after ``_prefetch_weights``). PDL (a
+    programmatic dependent launch, ``_pdl``): the program may start while the launch
+    before it is still running, so it waits here until that launch has finished and its
+    writes are visible (everything before it had, in turn, finished: every kernel waits
+    here first), then lets the next launch's programs be scheduled. What it saves: the gap
+    between launches, where a graph's decode step has ~230 of them."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -203,11 +221,57 @@ def _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, 
 
 
 @triton.jit
+def _prefetch_l2(addr, ok):
+    """Ask L2 for the 128-byte line at each address where ok (``prefetch.global.L2``): no
+    register waits for it, and the result is a dummy."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r", [addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_span(ptr, rows, rmask, stride, e0, e1):
+    """Elements e0..e1 of each of rows (BN,) (stride elements apart) of ptr into L2, a line
+    per element of (BN, 8) tiles; the last address of each row's span is e1 - 1 (clamped:
+    a span that starts mid-line ends in one more line)."""
+    EPL: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # per 128 bytes
+    k = tl.arange(0, 8) * EPL
+    base = ptr + rows.to(tl.int64)[:, None] * stride
+    for l0 in range(e0, e1, 8 * EPL):
+        at = l0 + k
+        ok = rmask[:, None] & (at < e1 + EPL - 1)[None, :]
+        _prefetch_l2(base + tl.minimum(at, e1 - 1)[None, :], ok)
+
+
+@triton.jit
+def _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0, c1, nqw,
+                      ng, nsup, KIND: tl.constexpr):
+    """Chunks c0..c1 of rows (BN,) of every plane a mat-vec reads (``_qmv_step``'s
+    indexing) into L2: issued before ``_await_inputs`` (PDL 2), while the launch before
+    still runs, the weights (which no launch writes) are on their way."""
+    _prefetch_span(q_ptr, rows, rmask, nqw, c0 * (16 if KIND == 0 else 8),
+                   c1 * (16 if KIND == 0 else 8))
+    if KIND == 7:
+        _prefetch_span(qh_ptr, rows, rmask, 2 * ng, c0 * 4, c1 * 4)
+        _prefetch_span(s_ptr, rows, rmask, 2 * ng, c0 * 4, c1 * 4)
+    else:
+        if KIND == 3 or KIND == 4 or KIND == 6:
+            _prefetch_span(qh_ptr, rows, rmask, ng, c0 * 2, c1 * 2)
+        _prefetch_span(s_ptr, rows, rmask, ng, c0 * 2, c1 * 2)
+        if KIND == 2 or KIND == 4 or KIND == 5 or KIND == 6:
+            _prefetch_span(m_ptr, rows, rmask, ng, c0 * 2, c1 * 2)
+    if KIND >= 5:
+        _prefetch_span(d_ptr, rows, rmask, nsup, c0 // 4, tl.cdiv(c1, 4))
+        if KIND != 7:
+            _prefetch_span(dm_ptr, rows, rmask, nsup, c0 // 4, tl.cdiv(c1, 4))
+
+
+@triton.jit
 def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, qh_ptr, s_ptr,
                 m_ptr, d_ptr, dm_ptr, N, KW, nqw, ng, nsup, n_chunks, cps, n_splits,
                 M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr,
                 CH: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                INTERP: tl.constexpr):
+                INTERP: tl.constexpr, PDL: tl.constexpr):
     """out (M, N) = x @ W.T with x as int8 blocks: xq (M, KW) int32 words of 4 int8 values,
     xd (M, KW / 8) f32 the scale of each 32 values, CH chunks a step (``_qmv_step``).
     Program (i, j) takes rows i * BN.. and chunks j * cps.. (a
@@ -219,6 +283,10 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
     c_end = tl.minimum(split * cps + cps, n_chunks)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
+    if PDL == 2:
+        _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask,
+                          split * cps, c_end, nqw, ng, nsup, KIND)
+    _await_inputs(PDL)
     acc = tl.zeros((BN, MP), dtype=tl.float32)
     for c0 in range(split * cps, c_end, CH):
         acc += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows,
@@ -249,7 +317,7 @@ def _qmv_glu_kernel(xq_ptr, xd_ptr, out_ptr, count_ptr, q_ptr, qh_ptr, s_ptr, m_
                     dm_ptr, F, KW, nqw, ng, nsup, n_chunks, KP, q32_ptr, d32_ptr, q256_ptr,
                     d256_ptr, M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr,
                     BN: tl.constexpr, CH: tl.constexpr, GELU: tl.constexpr,
-                    K256: tl.constexpr, INTERP: tl.constexpr):
+                    K256: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
     """out (M, F) = act(x @ G.T) * (x @ U.T) for gate and up stacked as one matrix (rows
     0..F and F..2F), and out's 8-bit blocks for the down projection: the mat-vec, the GLU
     and its quantization (``then_quantize``'s) in one launch. A program takes gate rows
@@ -258,6 +326,11 @@ def _qmv_glu_kernel(xq_ptr, xd_ptr, out_ptr, count_ptr, q_ptr, qh_ptr, s_ptr, m_
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < F
+    if PDL == 2:
+        for half in tl.static_range(2):  # gate's rows, up's
+            _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows + half * F,
+                              rmask, 0, n_chunks, nqw, ng, nsup, KIND)
+    _await_inputs(PDL)
     gate = tl.zeros((BN, MP), dtype=tl.float32)
     up = tl.zeros((BN, MP), dtype=tl.float32)
     for c0 in range(0, n_chunks, CH):
@@ -302,10 +375,12 @@ def _block_q8(x, j, BLOCK: tl.constexpr, K_QUANT: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, d_ptr, K, KP, BLOCK: tl.constexpr, K_QUANT: tl.constexpr):
+def _quantize_kernel(x_ptr, q_ptr, d_ptr, K, KP, BLOCK: tl.constexpr, K_QUANT: tl.constexpr,
+                     PDL: tl.constexpr):
     """One block of one row of x (n, K) f32 as int8 q (n, KP) and its scale, repeated per
     32 values in d (n, KP / 32): the numbers _round_kernel rounds to (q * d), kept apart
     for integer dot products. Blocks past K (the weights' padding to 64) are zeros."""
+    _await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     j = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK): one block
@@ -320,12 +395,13 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, K, KP, BLOCK: tl.constexpr, K_QUANT: t
 
 @triton.jit
 def _then_q8_kernel(a_ptr, b_ptr, out_ptr, q32_ptr, d32_ptr, q256_ptr, d256_ptr, K, KP, eps,
-                    OP: tl.constexpr, ROW: tl.constexpr, K256: tl.constexpr):
+                    OP: tl.constexpr, ROW: tl.constexpr, K256: tl.constexpr, PDL: tl.constexpr):
     """A row op (OP 0: RMS norm of a times weights b; 1: silu(a) * b; 2: gelu_tanh(a) * b)
     over 256 values of a row, written to out as rms_norm/glu write it, and the same values
     as 8-bit blocks for the mat-vec that follows, both ways quantize_activations makes them:
     per 32 (q32 (n, KP) int8, d32 (n, KP / 32)) and, when K is a multiple of 256, per 256
     (q256, d256). One launch instead of two (a program per row and 256 values)."""
+    _await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * 256 + tl.arange(0, 256)
     ok = j < K
@@ -367,7 +443,8 @@ def _store_q8_blocks(y, row, j0, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr,
 def _dequant_kernel(out_ptr, ids_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr,
                     N, K, nq, ng, nsup, n_chunks,
                     KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr,
-                    GATHER: tl.constexpr):
+                    GATHER: tl.constexpr, PDL: tl.constexpr):
+    _await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_c = tl.program_id(1)
     out_rows = pid_n * BN + tl.arange(0, BN)
@@ -391,12 +468,13 @@ def _dequant_kernel(out_ptr, ids_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr
 def _dq_gemm_kernel(x_ptr, out_ptr, bias_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr,
                     M, N, K, nq, ng, nsup, n_chunks,
                     KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    CH: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    CH: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     """out (M, N) f32 = x (M, K) f16 @ W.T (+ bias), W's tiles dequantized to f16 in
     registers (no dequantized copy of W in memory, one launch). A sum over k may take k in
     any order: each step multiplies the chunks' low 32 weights with the activations at
     64c + i, then the high 32 with those at 64c + 32 + i, each as one (BM, CH * 32) x
     (CH * 32, BN) dot; x is zero past K, which cancels the pad weights."""
+    _await_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     m = pid_m * BM + tl.arange(0, BM)
@@ -426,8 +504,10 @@ def _dq_gemm_kernel(x_ptr, out_ptr, bias_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr
 
 
 @triton.jit
-def _round_kernel(x_ptr, out_ptr, K, BLOCK: tl.constexpr, K_QUANT: tl.constexpr):
+def _round_kernel(x_ptr, out_ptr, K, BLOCK: tl.constexpr, K_QUANT: tl.constexpr,
+                  PDL: tl.constexpr):
     """One block of one row rounded (``_block_q8``): q * d in f32, stored in out's dtype."""
+    _await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     j = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK): one block
@@ -437,7 +517,8 @@ def _round_kernel(x_ptr, out_ptr, K, BLOCK: tl.constexpr, K_QUANT: tl.constexpr)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     ok = j < D
@@ -463,8 +544,9 @@ def _rope_pairs(HALF: tl.constexpr, NEOX: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HD: tl.constexpr, HALF: tl.constexpr,
-                 NEOX: tl.constexpr):
+                 NEOX: tl.constexpr, PDL: tl.constexpr):
     """x (n, H, HD) rotated by the angles of its token: cos/sin (n, HD/2)."""
+    _await_inputs(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     p = tl.arange(0, HALF)
@@ -481,10 +563,11 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HD: tl.constexpr, HALF: tl
 @triton.jit
 def _rope_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, H, KVH,
                     eps, HD: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
-                    NORM: tl.constexpr):
+                    NORM: tl.constexpr, PDL: tl.constexpr):
     """One head of q (n, H, HD) or k (n, KVH, HD) (programs (n, H + KVH)): RMS-normalised
     by its weights first (NORM: as _rms_norm_kernel over the head), then rotated as
     _rope_kernel rotates it; the same arithmetic, so the same bits as the two launches."""
+    _await_inputs(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if head < H:
@@ -514,11 +597,13 @@ def _rope_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_p
 @triton.jit
 def _residual_kernel(x_ptr, h_ptr, hw_ptr, w_ptr, sum_ptr, out_ptr, q32_ptr, d32_ptr,
                      q256_ptr, d256_ptr, K, KP, eps, POST: tl.constexpr, NORM: tl.constexpr,
-                     QUANT: tl.constexpr, ROW: tl.constexpr, K256: tl.constexpr):
+                     QUANT: tl.constexpr, ROW: tl.constexpr, K256: tl.constexpr,
+                     PDL: tl.constexpr):
     """x + h (h RMS-normalised by hw first: POST) over 256 values of a row, and (NORM) the
     sum RMS-normalised by w, and (QUANT) its 8-bit blocks as _then_q8_kernel writes them.
     Each mean square is summed over the whole row as _rms_norm_kernel sums it (same bits as
     the separate launches)."""
+    _await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * 256 + tl.arange(0, 256)
     ok = j < K
@@ -546,7 +631,9 @@ def _residual_kernel(x_ptr, h_ptr, hw_ptr, w_ptr, sum_ptr, out_ptr, q32_ptr, d32
 
 
 @triton.jit
-def _glu_kernel(g_ptr, u_ptr, out_ptr, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_kernel(g_ptr, u_ptr, out_ptr, n, GELU: tl.constexpr, BLOCK: tl.constexpr,
+                PDL: tl.constexpr):
+    _await_inputs(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     g = tl.load(g_ptr + offs, mask=ok, other=0.0)
@@ -573,7 +660,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
                        G: tl.constexpr, HD: tl.constexpr, BT: tl.constexpr,
                        SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, NS: tl.constexpr,
                        SB: tl.constexpr, QUANT: tl.constexpr, K256: tl.constexpr,
-                       WRITE: tl.constexpr):
+                       WRITE: tl.constexpr, PDL: tl.constexpr):
     """Attention of one token's query head over SPLIT key slots: the running max, sum of
     exponentials and weighted sum of values (flash-decoding's partial results), in f32
     from the cache's f16 (or f32) keys and values. A program per (token, head, split):
@@ -587,6 +674,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
     a group's first head stores its token's row, and every program reads a new row from
     kn/vn (rounded to the cache's dtype, as stored) instead of the slot it is replacing,
     so no program depends on another's store."""
+    _await_inputs(PDL)
     tok = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -735,13 +823,14 @@ def _f16_parts(x):
 @triton.jit
 def _flash_prompt_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, n, T, H, KVH, scale,
                          G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr,
-                         BN: tl.constexpr):
+                         BN: tl.constexpr, PDL: tl.constexpr):
     """A prompt's attention (flash attention, forward), a program per BM query rows of one
     KV head: its G query heads stacked as one sequence of G * n rows (row g * n + t: token
     t of head kvh * G + g), so GQA reads each key tile once for the group. Products on
     tensor cores from f16 parts of the f32 queries and probabilities against the f16 cache
     (``_f16_parts``), softmax and sums in f32; a key tile the mask hides from every row of
     the program is skipped (the causal half, a window's far side)."""
+    _await_inputs(PDL)
     kvh = tl.program_id(1)
     r = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = r < n * G
@@ -781,9 +870,10 @@ def _flash_prompt_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, n, T, H, KVH, s
 
 @triton.jit
 def _store_kv_kernel(keys_ptr, values_ptr, slots_ptr, k_ptr, v_ptr, ROW: tl.constexpr,
-                     RP: tl.constexpr):
+                     RP: tl.constexpr, PDL: tl.constexpr):
     """Token i's keys and values (KVH * hd f32) into cache slot slots[i], converted to
     the cache's dtype: one launch for what index_copy_ and two casts do in four."""
+    _await_inputs(PDL)
     i = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, RP)
     ok = j < ROW
@@ -862,6 +952,7 @@ def _matvec_tile(op: str, p: Planes, device, run) -> tuple[int, int, int, int]:
 
 
 _sm_counts: dict = {}
+_pdl_devices: dict = {}  # device -> launch with PDL there (``_pdl``)
 _split_counters: dict = {}  # device -> int32 counters (split-K mat-vec, attention; self-resetting)
 
 
@@ -889,6 +980,33 @@ def _multiprocessors(device) -> int:
     return _sm_counts[device]
 
 
+def _pdl(device) -> int:
+    """How kernels launch on this device: 0 as usual; 1 as programmatic dependent launches
+    (``_await_inputs``); 2 also with the mat-vecs' weights asked of L2 before they wait
+    (``_prefetch_weights``). EDGELLM_PDL=1 or 2, on a CUDA GPU of compute capability 9.0 or
+    later (Hopper), with a triton that has grid dependency control; 0 by default until a
+    GPU has timed it."""
+    if device not in _pdl_devices:
+        import torch
+
+        mode = {"1": 1, "2": 2}.get(os.environ.get("EDGELLM_PDL", "0"), 0)
+        _pdl_devices[device] = mode if (
+            device.type == "cuda" and gdc_wait is not None
+            and torch.cuda.get_device_capability(device)[0] >= 9) else 0
+    return _pdl_devices[device]
+
+
+def _launch(kernel, grid, *args, **meta) -> None:
+    """kernel[grid](*args, **meta) with its PDL mode (``_pdl`` for the device of args[0]:
+    every kernel's first argument is a tensor), launched as a programmatic dependent
+    launch where it is on."""
+    mode = _pdl(args[0].device)
+    if mode:
+        kernel[grid](*args, PDL=mode, launch_pdl=True, **meta)
+    else:
+        kernel[grid](*args, PDL=0, **meta)
+
+
 def _words(p: Planes):
     """p.q as int32 words (a view of the same memory), made at the first mat-vec and kept:
     not a tensor op per matmul and token."""
@@ -908,7 +1026,7 @@ def quantize_activations(x, block: int, padded: int):
     n, K = x.shape
     q = torch.empty((n, padded), dtype=torch.int8, device=x.device)
     d = torch.empty((n, padded // 32), dtype=torch.float32, device=x.device)
-    _quantize_kernel[(n, triton.cdiv(padded, block))](
+    _launch(_quantize_kernel, (n, triton.cdiv(padded, block)),
         x, q, d, K, padded, BLOCK=block, K_QUANT=block == 256,
         num_warps=1 if block == 32 else 2)
     return q.view(torch.int32), d
@@ -939,7 +1057,7 @@ def _qmatvec(xq, xd, p: Planes, bias, tile: tuple[int, int, int, int]):
     if splits > 1:
         part = torch.empty((splits, n, p.rows), dtype=torch.float32, device=xq.device)
         counts = _counters(xq.device, programs)
-    _qmv_kernel[(programs, splits)](
+    _launch(_qmv_kernel, (programs, splits),
         xq, xd, out, part, counts, bias if bias is not None else xd,
         *_plane_args(p, _words(p)), p.rows, xq.shape[1], nq // 4, ng, nsup,
         n_chunks, cps, splits, M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn, CH=ch,
@@ -965,7 +1083,7 @@ def qmatvec_glu(xq, xd, p: Planes, gelu: bool):
 
     def run(tile):
         bn, ch, warps, _ = tile
-        _qmv_glu_kernel[(triton.cdiv(F, bn),)](
+        _launch(_qmv_glu_kernel, (triton.cdiv(F, bn),),
             xq, xd, out, _counters(xq.device, triton.cdiv(F, 256)),
             *_plane_args(p, _words(p)), F, xq.shape[1], nq // 4, ng, nsup, n_chunks, padded,
             *_q8_args(blocks, out), M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn,
@@ -984,9 +1102,9 @@ def dequantize(p: Planes, dtype, ids=None):
     nq, ng, nsup, n_chunks = _geometry(p)
     bn, ch = 16, 4
     grid = (triton.cdiv(n, bn), triton.cdiv(n_chunks, ch))
-    _dequant_kernel[grid](out, ids if ids is not None else p.q, *_plane_args(p), n, p.cols,
-                          nq, ng, nsup, n_chunks, KIND=p.kind, BN=bn, CH=ch,
-                          GATHER=ids is not None, num_warps=4)
+    _launch(_dequant_kernel, grid, out, ids if ids is not None else p.q, *_plane_args(p), n,
+            p.cols, nq, ng, nsup, n_chunks, KIND=p.kind, BN=bn, CH=ch, GATHER=ids is not None,
+            num_warps=4)
     return out
 
 
@@ -1038,7 +1156,7 @@ def dequantized_matmul(x, p: Planes, bias=None, tile: tuple | None = None):
     nq, ng, nsup, n_chunks = _geometry(p)
     bm, bn, ch, warps = tile or DQ_GEMM_TILE
     out = torch.empty((M, p.rows), dtype=torch.float32, device=x.device)
-    _dq_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(p.rows, bn))](
+    _launch(_dq_gemm_kernel, (triton.cdiv(M, bm), triton.cdiv(p.rows, bn)),
         x, out, bias if bias is not None else out, *_plane_args(p), M, p.rows, p.cols, nq,
         ng, nsup, n_chunks, KIND=p.kind, BM=bm, BN=bn, CH=ch, HAS_BIAS=bias is not None,
         num_warps=warps)
@@ -1053,8 +1171,8 @@ def round_activations(x, block: int = 32, dtype=None):
 
     n, K = x.shape
     out = torch.empty_like(x, dtype=dtype or x.dtype)
-    _round_kernel[(n, K // block)](x, out, K, BLOCK=block, K_QUANT=block == 256,
-                                   num_warps=1 if block == 32 else 2)
+    _launch(_round_kernel, (n, K // block), x, out, K, BLOCK=block, K_QUANT=block == 256,
+            num_warps=1 if block == 32 else 2)
     return out
 
 
@@ -1065,8 +1183,8 @@ def rms_norm(x, w, eps: float):
     D = x.shape[-1]
     out = torch.empty_like(x)
     rows = x.numel() // D
-    _rms_norm_kernel[(rows,)](x, w, out, D, eps, BLOCK=triton.next_power_of_2(D),
-                              num_warps=4 if D >= 1024 else 1)
+    _launch(_rms_norm_kernel, (rows,), x, w, out, D, eps, BLOCK=triton.next_power_of_2(D),
+            num_warps=4 if D >= 1024 else 1)
     return out
 
 
@@ -1080,7 +1198,7 @@ def then_quantize(op: str, a, b, eps: float = 0.0):
     n, K = a.shape
     padded, blocks = _q8_outputs(n, K, a.device)
     out = torch.empty_like(a)
-    _then_q8_kernel[(n, triton.cdiv(padded, 256))](
+    _launch(_then_q8_kernel, (n, triton.cdiv(padded, 256)),
         a, b, out, *_q8_args(blocks, out), K, padded, eps,
         OP={"norm": 0, "silu": 1, "gelu": 2}[op], ROW=triton.next_power_of_2(K),
         K256=256 in blocks,
@@ -1120,7 +1238,8 @@ def rope(x, cos, sin, neox: bool):
 
     n, H, hd = x.shape
     out = torch.empty_like(x)
-    _rope_kernel[(n, H)](x, cos, sin, out, H, HD=hd, HALF=hd // 2, NEOX=neox, num_warps=1)
+    _launch(_rope_kernel, (n, H), x, cos, sin, out, H, HD=hd, HALF=hd // 2, NEOX=neox,
+            num_warps=1)
     return out
 
 
@@ -1133,8 +1252,8 @@ def rope_qk(q, k, cos, sin, neox: bool, norms: tuple | None = None):
     kvh = k.shape[1]
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     qw, kw, eps = norms if norms is not None else (q, k, 0.0)  # (unread without NORM)
-    _rope_qk_kernel[(n, H + kvh)](q, k, qw, kw, cos, sin, qo, ko, H, kvh, eps, HD=hd,
-                                  HALF=hd // 2, NEOX=neox, NORM=norms is not None, num_warps=1)
+    _launch(_rope_qk_kernel, (n, H + kvh), q, k, qw, kw, cos, sin, qo, ko, H, kvh, eps, HD=hd,
+            HALF=hd // 2, NEOX=neox, NORM=norms is not None, num_warps=1)
     return qo, ko
 
 
@@ -1152,7 +1271,7 @@ def residual(x, h, eps: float, h_norm=None, out_norm=None, quantize: bool = Fals
     padded, blocks = _q8_outputs(n, K, x.device) if quantize else (
         triton.cdiv(K, CHUNK) * CHUNK, {})
     # the row's width as the norms' own launches sum it (same reduction, same bits)
-    _residual_kernel[(n, triton.cdiv(padded if quantize else K, 256))](
+    _launch(_residual_kernel, (n, triton.cdiv(padded if quantize else K, 256)),
         x, h, h if h_norm is None else h_norm, x if out_norm is None else out_norm, total,
         out, *_q8_args(blocks, total), K, padded, eps, POST=h_norm is not None,
         NORM=out_norm is not None, QUANT=quantize, ROW=triton.next_power_of_2(K),
@@ -1168,8 +1287,8 @@ def glu(gate, up, gelu: bool):
     out = torch.empty_like(gate)
     n = gate.numel()
     block = 1024
-    _glu_kernel[(triton.cdiv(n, block),)](gate, up, out, n, GELU=gelu, BLOCK=block,
-                                          num_warps=4)
+    _launch(_glu_kernel, (triton.cdiv(n, block),), gate, up, out, n, GELU=gelu, BLOCK=block,
+            num_warps=4)
     return out
 
 
@@ -1210,7 +1329,7 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
     out = torch.empty((n, H, hd), dtype=torch.float32, device=dev)
     padded, blocks = _q8_outputs(n, H * hd, dev) if quantize else (0, {})
     slots, kn, vn = write if write is not None else (out, out, out)  # (unread without)
-    _attn_split_kernel[(n, H, n_splits)](
+    _launch(_attn_split_kernel, (n, H, n_splits),
         q, k, v, mask.view(torch.uint8), m, l_s, acc, out,
         _counters(dev, n * H + n * triton.cdiv(H * hd, 256)), T, H,
         kvh, n_splits, scale, softcap or 1.0, n * H, *_q8_args(blocks, out), padded, kn, vn,
@@ -1235,7 +1354,7 @@ def flash_prompt_attention(q, k, v, mask, scale: float, tile: tuple | None = Non
     T, kvh = k.shape[0], k.shape[1]
     bm, bn, warps = tile or FLASH_TILES[0]
     out = torch.empty_like(q)
-    _flash_prompt_kernel[(triton.cdiv(n * (H // kvh), bm), kvh)](
+    _launch(_flash_prompt_kernel, (triton.cdiv(n * (H // kvh), bm), kvh),
         q, k, v, mask.view(torch.uint8), out, n, T, H, kvh, scale, G=H // kvh, HD=hd, BM=bm,
         BN=bn, num_warps=warps)
     return out
@@ -1245,5 +1364,5 @@ def store_kv(keys, values, slots, k, v) -> None:
     """keys[slots] = k and values[slots] = v (k, v: (n, KVH, hd) f32 contiguous; slots: (n,)
     int64 on the device), converted to the storage's dtype, in one launch."""
     row = k.shape[1] * k.shape[2]
-    _store_kv_kernel[(k.shape[0],)](keys, values, slots, k, v, ROW=row,
-                                    RP=triton.next_power_of_2(row), num_warps=1)
+    _launch(_store_kv_kernel, (k.shape[0],), keys, values, slots, k, v, ROW=row,
+            RP=triton.next_power_of_2(row), num_warps=1)
