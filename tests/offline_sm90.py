@@ -1,0 +1,232 @@
+"""The torch backend's triton kernels compiled for a Hopper GPU (sm_90) on a machine without
+one: what ptxas makes of them (registers, bytes spilt to local memory) and their PTX, from
+the ptxas and cuobjdump that triton's wheel carries.
+
+A kernel is compiled from a launch as the backend makes it (``kernels._launch``'s
+arguments: tensors become pointers of their dtype, Python numbers 32-bit scalars, keyword
+arguments the kernel names its constexprs, the rest compile options), so a test can record
+the launches of a real decode step in the interpreter and ask how each compiles for a GPU.
+
+    python -m tests.offline_sm90    # the decode kernels' registers at the models' shapes
+
+Under TRITON_INTERPRET=1 (the tests here) the kernels are the interpreter's, so the compile
+runs in a child process without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SM90 = GPUTarget("cuda", 90, 32)
+MULTIPROCESSORS = 132  # an H100 SXM's and an H200's
+_POINTER = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int64": "*i64",
+            "int32": "*i32", "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
+
+
+@dataclass
+class Compiled:
+    """One kernel compiled for sm_90: its PTX and ptxas's resource use."""
+
+    name: str
+    ptx: str
+    registers: int
+    spilt_bytes: int  # the stack frame per thread: local memory that registers spilt to
+
+    def lines(self, pattern: str) -> list[int]:
+        """Indices of the PTX lines that match ``pattern`` (a regular expression)."""
+        rx = re.compile(pattern)
+        return [i for i, line in enumerate(self.ptx.splitlines()) if rx.search(line)]
+
+
+def compile_launch(kernel, args: tuple, meta: dict) -> Compiled:
+    """``kernel[grid](*args, **meta)`` compiled for sm_90 instead of launched."""
+    return compile_specs([launch_spec(kernel, args, meta)])[0]
+
+
+def launch_spec(kernel, args: tuple, meta: dict) -> dict:
+    """What compiling a launch takes, as plain data: the kernel's name in
+    ``kernels``, each argument's triton type, the constexprs and the compile options."""
+    names = kernel.arg_names
+    constexprs = {k: v for k, v in meta.items() if k in names}
+    options = {k: v for k, v in meta.items() if k in _OPTIONS}
+    assert set(meta) <= set(constexprs) | set(options), set(meta) - set(names)
+    positional = [n for n in names if n not in constexprs]
+    assert len(positional) == len(args), (kernel.__name__, len(positional), len(args))
+    # as triton's launcher specializes: integers equal to 1 become constants, pointers and
+    # integers divisible by 16 are marked so (wider loads, cheaper indexing)
+    given = dict(zip(positional, args, strict=True))
+    constexprs.update({n: 1 for n, a in given.items() if _type(a) == "i32" and a == 1})
+    if "INTERP" in constexprs:  # (a GPU's instructions, not the interpreter's stand-ins)
+        constexprs["INTERP"] = False
+    return {"kernel": kernel.__name__, "constexprs": constexprs, "options": options,
+            "signature": {n: "constexpr" if n in constexprs else _type(given[n])
+                          for n in names},
+            "aligned": [n for n, a in given.items() if n not in constexprs and _divisible(a)]}
+
+
+def compile_specs(specs: list[dict]) -> list[Compiled]:
+    """``launch_spec``s compiled for sm_90: here, or where this process's kernels are
+    triton's interpreter's (TRITON_INTERPRET=1: nothing to compile), in a child process
+    without it."""
+    from edgellm.backends.torch import kernels
+
+    if not kernels._INTERPRETING:
+        return [_compile(spec) for spec in specs]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.offline_sm90", "--specs"],
+                          input=json.dumps(specs), capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [Compiled(**c) for c in json.loads(done.stdout)]
+
+
+def _compile(spec: dict) -> Compiled:
+    from edgellm.backends.torch import kernels
+
+    kernel = getattr(kernels, spec["kernel"])
+    names = kernel.arg_names
+    source = ASTSource(kernel, spec["signature"],
+                       constexprs={(names.index(k),): v
+                                   for k, v in spec["constexprs"].items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]]
+                              for n in spec["aligned"]})
+    compiled = triton.compile(source, target=SM90, options=spec["options"])
+    registers, stack = _resources(compiled.asm["cubin"])
+    return Compiled(spec["kernel"], compiled.asm["ptx"], registers, stack)
+
+
+def _type(arg) -> str:
+    """A launch argument's triton type: tensors are pointers to their dtype."""
+    if hasattr(arg, "dtype") and hasattr(arg, "data_ptr"):
+        return _POINTER[str(arg.dtype).removeprefix("torch.")]
+    if isinstance(arg, bool):
+        return "i1"
+    if isinstance(arg, int):
+        return "i32" if -2**31 <= arg < 2**31 else "i64"
+    if isinstance(arg, float):
+        return "fp32"
+    raise TypeError(f"no triton type for {type(arg).__name__}")
+
+
+def _divisible(arg) -> bool:
+    """Is a launch argument a multiple of 16 (an integer) or 16-byte aligned (a tensor)?"""
+    if hasattr(arg, "data_ptr"):
+        return arg.data_ptr() % 16 == 0
+    return isinstance(arg, int) and not isinstance(arg, bool) and arg % 16 == 0
+
+
+def _resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) per thread, as ``cuobjdump -res-usage`` reports them."""
+    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        report = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
+                                text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    assert found, report
+    return int(found.group(1)), int(found.group(2))
+
+
+def attention_launch(heads: int, kv_heads: int, head_dim: int, storage: int,
+                     pdl: int = 0) -> tuple:
+    """(kernel, args, meta) of a decode step's attention as a graph launches it (one token
+    over ``storage`` slots, its output's 8-bit blocks and the step's keys and values
+    written in the launch), through ``kernels.attention`` with the launch recorded, not
+    run: the real arguments at a real model's shape."""
+    import torch
+
+    from edgellm.backends.torch import kernels
+
+    q = torch.zeros((1, heads, head_dim))
+    k = torch.zeros((storage, kv_heads, head_dim), dtype=torch.float16)
+    mask = torch.ones((1, storage), dtype=torch.bool)
+    new = torch.zeros((1, kv_heads, head_dim))
+    write = (torch.zeros(1, dtype=torch.int64), new, new)
+    return _recorded(lambda: kernels.attention(q, k, k, mask, head_dim ** -0.5,
+                                               quantize=True, write=write), pdl)[0]
+
+
+def matvec_launch(rows: int, cols: int, qtype, tokens: int = 1, pdl: int = 0) -> tuple:
+    """(kernel, args, meta) of the mat-vec of a (rows, cols) matrix of ``qtype`` blocks over
+    ``tokens`` tokens, with a GPU's default tile (``kernels.matvec_tile``) and K split."""
+    import numpy as np
+    import torch
+
+    from edgellm.backends.torch import kernels
+    from edgellm.backends.torch.packing import pack
+    from edgellm.quants import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    planes = pack(np.zeros((rows, cols // block * size), np.uint8), qtype, rows, cols)
+    for name, array in planes.arrays().items():
+        setattr(planes, name, torch.from_numpy(np.ascontiguousarray(array)))
+    xq = torch.zeros((tokens, planes.padded // 4), dtype=torch.int32)
+    xd = torch.zeros((tokens, planes.padded // 32))
+
+    def launch():
+        bn, ch, warps = kernels.matvec_tile(rows, planes.padded // 64)
+        per_sm = kernels.PROGRAMS_PER_SM if planes.padded // 64 >= kernels.SPLIT_MIN_CHUNKS else 0
+        kernels._qmatvec(xq, xd, planes, None, (bn, ch, warps, per_sm))
+
+    return _recorded(launch, pdl)[0]
+
+
+def _recorded(work, pdl: int, run: bool = False) -> list[tuple]:
+    """The (kernel, args, meta) of every launch ``work()`` makes through
+    ``kernels._launch``, each with PDL mode ``pdl``; launched as well where ``run`` (work
+    that reads its launches' results), else not."""
+    from edgellm.backends.torch import kernels
+
+    launches: list[tuple] = []
+    saved = kernels._launch, kernels._INTERPRETING, kernels._multiprocessors
+
+    def record(kernel, grid, *args, **meta):
+        launches.append((kernel, args, {**meta, "PDL": pdl, "launch_pdl": bool(pdl)}))
+        if run:
+            saved[0](kernel, grid, *args, **meta)
+
+    kernels._launch = record
+    if not run:  # the launches' shapes chosen as for a GPU of H100/H200 size
+        kernels._INTERPRETING, kernels._multiprocessors = False, lambda device: MULTIPROCESSORS
+    try:
+        work()
+    finally:
+        kernels._launch, kernels._INTERPRETING, kernels._multiprocessors = saved
+    return launches
+
+
+def main() -> None:
+    from edgellm.quants import Q
+
+    # (the three models' attention heads, and their largest mat-vecs)
+    for label, shape in (("Qwen2.5 1.5B", (12, 2, 128)), ("Qwen2.5 0.5B", (14, 2, 64)),
+                         ("Gemma 3 270M", (4, 1, 256))):
+        for storage in (656, 4096, 32768):
+            c = compile_launch(*attention_launch(*shape, storage))
+            print(f"attention {label} over {storage} slots: {c.registers} registers, "
+                  f"{c.spilt_bytes} bytes spilt")
+    for rows, cols, qtype in ((17920, 1536, Q.Q4_K), (1536, 8960, Q.Q6_K),
+                              (9728, 896, Q.Q5_0), (896, 4864, Q.Q8_0)):
+        for tokens in (1, 8):
+            c = compile_launch(*matvec_launch(rows, cols, qtype, tokens))
+            print(f"mat-vec {qtype.name} {rows}x{cols} x {tokens} tokens: {c.registers} "
+                  f"registers, {c.spilt_bytes} bytes spilt")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--specs"]:  # (compile_specs' child: specs on stdin, JSON out)
+        print(json.dumps([asdict(_compile(spec)) for spec in json.load(sys.stdin)]))
+    else:
+        main()

@@ -1,0 +1,92 @@
+"""The torch backend's triton kernels as ptxas compiles them for a Hopper GPU (sm_90), here
+without one (``tests/offline_sm90.py``): decode's kernels keep their values in registers at
+the three models' shapes, and programmatic dependent launches wait before they read.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():  # the recorded steps run in triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton.backends.nvidia")
+
+from edgellm.quants import Q  # noqa: E402
+from tests import offline_sm90  # noqa: E402
+
+#: query heads, KV heads, head dim: Qwen2.5-Coder 1.5B, Qwen2.5-Coder 0.5B, Gemma 3 270M
+HEADS = {"qwen-1.5b": (12, 2, 128), "qwen-0.5b": (14, 2, 64), "gemma-270m": (4, 1, 256)}
+
+
+@pytest.mark.parametrize("storage", [656, 4096], ids=["bench", "chat"])
+@pytest.mark.parametrize("model", list(HEADS))
+def test_decode_attention_keeps_to_registers(model, storage):
+    """A decode step's attention as a graph launches it, over the bench's cache (656
+    slots) and a chat's default (4,096): nothing spilt to local memory. Its combine once
+    loaded every split's values as one (splits, head dim) tile: 255 registers and 64-88
+    bytes spilt per thread at 4,096 slots for each model."""
+    compiled = offline_sm90.compile_launch(*offline_sm90.attention_launch(*HEADS[model],
+                                                                          storage))
+    assert compiled.spilt_bytes == 0, compiled.registers
+
+
+@pytest.mark.parametrize("tokens", [1, 8], ids=["decode", "speculative"])
+@pytest.mark.parametrize("rows,cols,qtype", [(17920, 1536, Q.Q4_K), (1536, 8960, Q.Q6_K),
+                                             (9728, 896, Q.Q5_0), (896, 4864, Q.Q8_0)],
+                         ids=["gate-up-1.5b", "down-1.5b", "gate-up-0.5b", "down-0.5b"])
+def test_decode_matvec_keeps_to_registers(rows, cols, qtype, tokens):
+    """The models' largest mat-vecs with the default tiles, for one token and for a
+    speculative check's 8: nothing spilt."""
+    compiled = offline_sm90.compile_launch(*offline_sm90.matvec_launch(rows, cols, qtype,
+                                                                       tokens))
+    assert compiled.spilt_bytes == 0, compiled.registers
+
+
+def test_dependent_launches_wait_before_they_read(tmp_path, monkeypatch):
+    """Every triton kernel, compiled as a programmatic dependent launch with the weights
+    prefetched (EDGELLM_PDL=2) from its first launch in a tiny model's prompt and decode
+    step (launch fusions on, then off, the KV write its own launch, with the fused
+    dequantize-GEMM; and a prompt's flash attention): the PTX waits for the launch before (``griddepcontrol.wait``) before any
+    load, store or atomic, only L2 prefetches come before the wait, and the next launch is
+    let in after it. As plain launches (0): no grid dependency control at all."""
+    from edgellm.backends.torch import kernels
+    from tests.test_torch_models import _graph_backend, _tiny_net
+
+    def prompt_and_step():
+        net.forward(np.arange(1, 17), net.make_cache(64))
+        net.forward(np.array([5]), cache)
+
+    launches = {}
+    for fused in (True, False):
+        monkeypatch.setenv("EDGELLM_FUSE_LAUNCHES", str(int(fused)))
+        monkeypatch.setenv("EDGELLM_FUSED_GEMM", str(int(not fused)))
+        monkeypatch.setenv("EDGELLM_UNFUSE", "" if fused else "kv_write")
+        backend = _graph_backend(triton=True)  # (no GPU: the graphs' steps run eagerly)
+        net = _tiny_net(tmp_path, Q.Q4_0, backend, small=True)
+        cache = net.make_cache(64)
+        net.forward(np.arange(1, 9), cache)
+        for kernel, args, meta in offline_sm90._recorded(prompt_and_step, pdl=2, run=True):
+            launches.setdefault(kernel.__name__, (kernel, args, meta))
+    q, kv = torch.zeros((16, 4, 32)), torch.zeros((16, 2, 32), dtype=torch.float16)
+    mask = torch.ones((16, 16), dtype=torch.bool)
+    for kernel, args, meta in offline_sm90._recorded(
+            lambda: kernels.flash_prompt_attention(q, kv, kv, mask, 0.125), pdl=2):
+        launches.setdefault(kernel.__name__, (kernel, args, meta))
+    assert set(launches) == {n for n in dir(kernels) if n.endswith("_kernel")}
+    specs = [offline_sm90.launch_spec(*launch) for launch in launches.values()]
+    plain = [{**spec, "constexprs": {**spec["constexprs"], "PDL": 0},
+              "options": {**spec["options"], "launch_pdl": False}} for spec in specs]
+    compiled = offline_sm90.compile_specs(specs + plain)
+    for c in compiled[:len(specs)]:
+        wait = c.lines(r"griddepcontrol\.wait")
+        assert len(wait) == 1, c.name
+        touches = c.lines(r"^\s*(@%p\d+\s+)?(ld|st|atom|red)\.global")
+        assert touches and min(touches) > wait[0], c.name
+        assert all(i < wait[0] for i in c.lines(r"prefetch\.global"))
+        assert min(c.lines(r"griddepcontrol\.launch_dependents")) > wait[0], c.name
+    for c in compiled[len(specs):]:
+        assert not c.lines("griddepcontrol"), c.name
