@@ -27,8 +27,8 @@ HEADS = {"qwen-1.5b": (12, 2, 128), "qwen-0.5b": (14, 2, 64), "gemma-270m": (4, 
 def test_decode_attention_keeps_to_registers(model, storage):
     """A decode step's attention as a graph launches it, over the bench's cache (656
     slots) and a chat's default (4,096): nothing spilt to local memory. Its combine once
-    loaded every split's values as one (splits, head dim) tile: 255 registers and 64-88
-    bytes spilt per thread at 4,096 slots for each model."""
+    loaded every split's values as one (splits, head dim) tile: 255 registers and 64 (1.5B)
+    and 88 (Gemma) bytes spilt per thread at 4,096 slots."""
     compiled = offline_sm90.compile_launch(*offline_sm90.attention_launch(*HEADS[model],
                                                                           storage))
     assert compiled.spilt_bytes == 0, compiled.registers
