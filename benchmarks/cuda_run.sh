@@ -126,9 +126,22 @@ decode_ab() {  # decode_ab VAR VALUES MODEL...: torch_decode_ab.py in alternatin
         done
     done
 }
-# decode: plain launches, programmatic dependent launches, and those with the mat-vecs'
-# weights prefetched (kernels._pdl)
-step_pdl() { decode_ab EDGELLM_PDL "${PDL_ORDER:-0 1 2 0 1 2}" "$LARGE" "$GEMMA"; }
+prompt_ab() {  # prompt_ab VAR VALUES MODEL: pp512 alone (edgellm bench -n 0) per value
+    local var=$1 values=$2 m=$3 v
+    for v in $values; do
+        enough 45 "pp512 $var=$v $(name "$m")" || return
+        echo -n "$(name "$m") $var=$v: "
+        env "$var=$v" timeout "$(limit 90)" python3 -m edgellm.apps.cli bench -m "$m" \
+            --backend torch -p 512 -n 0 -r 5 -o json 2>/dev/null | python3 -c "import json,sys; [print(r['test'], round(r['mean_ts']), '+-', round(r['std_ts'])) for r in json.load(sys.stdin)]" \
+            | tee -a "$LOGS/prompt_ab.txt"
+    done
+}
+# plain launches, programmatic dependent launches, and those with the mat-vecs' weights
+# prefetched (kernels._pdl): decode of the 1.5B and Gemma, Gemma's pp512 (below 1.0x)
+step_pdl() {
+    decode_ab EDGELLM_PDL "${PDL_ORDER:-0 1 2 0 1 2}" "$LARGE" "$GEMMA"
+    prompt_ab EDGELLM_PDL "${PDL_ORDER:-0 1 2 0 1 2}" "$GEMMA"
+}
 # decode: the tiles the card chose (the `bench` step saved them) against the defaults
 step_tune() { decode_ab EDGELLM_TUNE "${TUNE_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
 # decode: launch fusions off/on; host vs device argmax
