@@ -50,9 +50,10 @@ def test_dependent_launches_wait_before_they_read(tmp_path, monkeypatch):
     """Every triton kernel, compiled as a programmatic dependent launch with the weights
     prefetched (EDGELLM_PDL=2) from its first launch in a tiny model's prompt and decode
     step (launch fusions on, then off, the KV write its own launch, with the fused
-    dequantize-GEMM; and a prompt's flash attention): the PTX waits for the launch before (``griddepcontrol.wait``) before any
-    load, store or atomic, only L2 prefetches come before the wait, and the next launch is
-    let in after it. As plain launches (0): no grid dependency control at all."""
+    dequantize-GEMM; and a prompt's flash attention): the PTX waits for the launch before
+    (``griddepcontrol.wait``) before any load, store or atomic, only L2 prefetches come
+    before the wait, and the next launch is let in after it. As plain launches (0): no
+    grid dependency control at all."""
     from edgellm.backends.torch import kernels
     from tests.test_torch_models import _graph_backend, _tiny_net
 
