@@ -46,6 +46,25 @@ def test_decode_matvec_keeps_to_registers(rows, cols, qtype, tokens):
     assert compiled.spilt_bytes == 0, compiled.registers
 
 
+@pytest.mark.parametrize("model", list(HEADS))
+def test_prompt_attention_has_tiles_that_keep_to_registers(model):
+    """The flash prompt attention's tiles a GPU times, over a 512-token prompt at each
+    model's heads: the 1.5B's and 0.5B's spill nothing in any of them, and Gemma's (heads of
+    256, where four of the five spill 296-456 bytes a thread) in the wide-head tiles."""
+    from edgellm.backends.torch import kernels
+
+    heads, kv_heads, hd = HEADS[model]
+    q = torch.zeros((512, heads, hd))
+    kv = torch.zeros((512, kv_heads, hd), dtype=torch.float16)
+    mask = torch.ones((512, 512), dtype=torch.bool)
+    tiles = kernels.WIDE_HEAD_FLASH_TILES if hd >= 256 else kernels.flash_tiles(hd)
+    specs = [offline_sm90.launch_spec(*offline_sm90._recorded(
+        lambda tile=tile: kernels.flash_prompt_attention(q, kv, kv, mask, 0.1, tile), 0)[0])
+        for tile in tiles]
+    spilt = [c.spilt_bytes for c in offline_sm90.compile_specs(specs)]
+    assert spilt == [0] * len(tiles), dict(zip(tiles, spilt, strict=True))
+
+
 def test_dependent_launches_wait_before_they_read(tmp_path, monkeypatch):
     """Every triton kernel, compiled as a programmatic dependent launch with the weights
     prefetched (EDGELLM_PDL=2) from its first launch in a tiny model's prompt and decode

@@ -591,7 +591,7 @@ class TorchBackend(Backend):
         # (sizes rounded to powers of two: fewer timings)
         key = ("attention", kvh, H // kvh, hd, 1 << (n - 1).bit_length(),
                1 << (T - 1).bit_length())
-        return run(tuning.choose(self.device, key, ("default", *self.kernels.FLASH_TILES),
+        return run(tuning.choose(self.device, key, ("default", *self.kernels.flash_tiles(hd)),
                                  run, "default"))
 
     @staticmethod

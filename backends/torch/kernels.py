@@ -1342,6 +1342,15 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
 
 #: the prompt attention's tiles a GPU times against SDPA: query rows, key slots, warps
 FLASH_TILES = ((64, 32, 4), (64, 64, 4), (128, 32, 8), (32, 32, 4), (128, 64, 8))
+#: and for heads of 256 (Gemma 3), where all of those but (32, 32, 4) spill 296-456 bytes a
+#: thread to local memory (compiled for sm_90 offline: tests/offline_sm90.py), these too,
+#: which spill none
+WIDE_HEAD_FLASH_TILES = ((32, 32, 8), (32, 64, 8), (16, 32, 4), (16, 64, 4))
+
+
+def flash_tiles(hd: int) -> tuple[tuple[int, int, int], ...]:
+    """The tiles a GPU times for a prompt's attention over heads of ``hd``."""
+    return FLASH_TILES + (WIDE_HEAD_FLASH_TILES if hd >= 256 else ())
 
 
 def flash_prompt_attention(q, k, v, mask, scale: float, tile: tuple | None = None):
