@@ -55,15 +55,21 @@ SMALL=/tmp/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 LARGE=/tmp/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 MODELS=("$LARGE" "$GEMMA" "$SMALL")  # the goals' models first
 
-step_tests() {  # first: the kernels' results on this GPU, before any figure is believed
-    echo "== tests on CUDA"  # (no tuning but the tuning test's own: 8 workers compiling)
-    enough 60 tests || return
+# cuda_pytest LOG -k EXPR FILE...: the tests (8 workers, no tuning but the tuning test's own)
+cuda_pytest() {
+    local log=$1
     EDGELLM_TUNE=0 timeout "$(limit 200)" python3 -m pytest -q -p no:cacheprovider -n 8 \
+        "${@:2}" > "$LOGS/$log" 2>&1
+    echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/$log" | head -n 20
+    tail -n 2 "$LOGS/$log"
+}
+
+step_tests() {  # first: the kernels' results on this GPU, before any figure is believed
+    echo "== tests on CUDA"
+    enough 60 tests || return
+    cuda_pytest pytest.log -k "${PYTEST_K:-torch and not teacher}" \
         tests/test_torch_kernels.py tests/test_torch_tuning.py tests/test_torch_models.py \
-        tests/test_backend_conformance.py -k "${PYTEST_K:-torch and not teacher}" \
-        > "$LOGS/pytest.log" 2>&1
-    echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 20
-    tail -n 2 "$LOGS/pytest.log"
+        tests/test_backend_conformance.py
 }
 
 # the same tests with every launch a programmatic dependent launch (kernels._pdl: 2, the
@@ -72,11 +78,8 @@ step_tests() {  # first: the kernels' results on this GPU, before any figure is 
 step_pdltests() {
     echo "== tests on CUDA, EDGELLM_PDL=2"
     enough 60 pdltests || return
-    EDGELLM_PDL=2 EDGELLM_TUNE=0 timeout "$(limit 200)" python3 -m pytest -q \
-        -p no:cacheprovider -n 8 tests/test_torch_kernels.py tests/test_torch_models.py \
-        -k "${PYTEST_K:-not teacher}" > "$LOGS/pytest-pdl.log" 2>&1
-    echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest-pdl.log" | head -n 20
-    tail -n 2 "$LOGS/pytest-pdl.log"
+    EDGELLM_PDL=2 cuda_pytest pytest-pdl.log -k "${PYTEST_K:-not teacher}" \
+        tests/test_torch_kernels.py tests/test_torch_models.py
 }
 
 LLAMA=""

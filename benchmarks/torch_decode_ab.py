@@ -64,8 +64,10 @@ def main() -> None:
     net = model.net
     runs = {"host": _synced(_host), "device": _synced(time_generation)}
 
+    slots = max(args.ctx, args.steps + 16)
+
     def make_cache():
-        return model.make_cache(max(args.ctx, args.steps + 16))
+        return model.make_cache(slots)
 
     for run in runs.values():  # warm-up: captures, compiles
         run(net, make_cache, 8, 100)
@@ -87,7 +89,7 @@ def main() -> None:
     pdl = os.environ.get("EDGELLM_PDL", "0")
     unfused = ",".join(sorted(model.backend.unfused)) or "-"
     print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune} "
-          f"unfused={unfused} pdl={pdl} ctx={max(args.ctx, args.steps + 16)}: " + ", ".join(
+          f"unfused={unfused} pdl={pdl} ctx={slots}: " + ", ".join(
         f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
         for name, r in rates.items()))
 

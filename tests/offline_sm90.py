@@ -160,7 +160,8 @@ def attention_launch(heads: int, kv_heads: int, head_dim: int, storage: int,
 
 def matvec_launch(rows: int, cols: int, qtype, tokens: int = 1, pdl: int = 0) -> tuple:
     """(kernel, args, meta) of the mat-vec of a (rows, cols) matrix of ``qtype`` blocks over
-    ``tokens`` tokens, with a GPU's default tile (``kernels.matvec_tile``) and K split."""
+    ``tokens`` tokens, through ``kernels.qmatvec``: a GPU's default tile and K split (no
+    tuner times tiles here)."""
     import numpy as np
     import torch
 
@@ -169,18 +170,25 @@ def matvec_launch(rows: int, cols: int, qtype, tokens: int = 1, pdl: int = 0) ->
     from edgellm.quants import GGML_QUANT_SIZES
 
     block, size = GGML_QUANT_SIZES[qtype]
-    planes = pack(np.zeros((rows, cols // block * size), np.uint8), qtype, rows, cols)
-    for name, array in planes.arrays().items():
-        setattr(planes, name, torch.from_numpy(np.ascontiguousarray(array)))
+    planes = pack(np.zeros((rows, cols // block * size), np.uint8), qtype, rows,
+                  cols).upload("cpu")
     xq = torch.zeros((tokens, planes.padded // 4), dtype=torch.int32)
     xd = torch.zeros((tokens, planes.padded // 32))
+    return _recorded(lambda: kernels.qmatvec(xq, xd, planes), pdl)[0]
 
-    def launch():
-        bn, ch, warps = kernels.matvec_tile(rows, planes.padded // 64)
-        per_sm = kernels.PROGRAMS_PER_SM if planes.padded // 64 >= kernels.SPLIT_MIN_CHUNKS else 0
-        kernels._qmatvec(xq, xd, planes, None, (bn, ch, warps, per_sm))
 
-    return _recorded(launch, pdl)[0]
+def flash_launch(heads: int, kv_heads: int, head_dim: int, tokens: int, tile: tuple,
+                 pdl: int = 0) -> tuple:
+    """(kernel, args, meta) of a ``tokens``-token prompt's flash attention in ``tile``."""
+    import torch
+
+    from edgellm.backends.torch import kernels
+
+    q = torch.zeros((tokens, heads, head_dim))
+    kv = torch.zeros((tokens, kv_heads, head_dim), dtype=torch.float16)
+    mask = torch.ones((tokens, tokens), dtype=torch.bool)
+    return _recorded(lambda: kernels.flash_prompt_attention(q, kv, kv, mask, head_dim ** -0.5,
+                                                            tile), pdl)[0]
 
 
 def _recorded(work, pdl: int, run: bool = False) -> list[tuple]:

@@ -47,10 +47,7 @@ def _install(monkeypatch, device: str, tuner) -> None:
 
 
 def uploaded(tensor, rows, cols):
-    p = pack(tensor.data, tensor.qtype, rows, cols)
-    for key, a in p.arrays().items():
-        setattr(p, key, torch.from_numpy(a).to(DEVICE))
-    return p
+    return pack(tensor.data, tensor.qtype, rows, cols).upload(DEVICE)
 
 
 def t(a):

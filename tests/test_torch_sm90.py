@@ -53,14 +53,10 @@ def test_prompt_attention_has_tiles_that_keep_to_registers(model):
     256, where four of the five spill 296-456 bytes a thread) in the wide-head tiles."""
     from edgellm.backends.torch import kernels
 
-    heads, kv_heads, hd = HEADS[model]
-    q = torch.zeros((512, heads, hd))
-    kv = torch.zeros((512, kv_heads, hd), dtype=torch.float16)
-    mask = torch.ones((512, 512), dtype=torch.bool)
+    hd = HEADS[model][2]
     tiles = kernels.WIDE_HEAD_FLASH_TILES if hd >= 256 else kernels.flash_tiles(hd)
-    specs = [offline_sm90.launch_spec(*offline_sm90._recorded(
-        lambda tile=tile: kernels.flash_prompt_attention(q, kv, kv, mask, 0.1, tile), 0)[0])
-        for tile in tiles]
+    specs = [offline_sm90.launch_spec(*offline_sm90.flash_launch(*HEADS[model], 512, tile))
+             for tile in tiles]
     spilt = [c.spilt_bytes for c in offline_sm90.compile_specs(specs)]
     assert spilt == [0] * len(tiles), dict(zip(tiles, spilt, strict=True))
 
@@ -91,11 +87,8 @@ def test_dependent_launches_wait_before_they_read(tmp_path, monkeypatch):
         net.forward(np.arange(1, 9), cache)
         for kernel, args, meta in offline_sm90._recorded(prompt_and_step, pdl=2, run=True):
             launches.setdefault(kernel.__name__, (kernel, args, meta))
-    q, kv = torch.zeros((16, 4, 32)), torch.zeros((16, 2, 32), dtype=torch.float16)
-    mask = torch.ones((16, 16), dtype=torch.bool)
-    for kernel, args, meta in offline_sm90._recorded(
-            lambda: kernels.flash_prompt_attention(q, kv, kv, mask, 0.125), pdl=2):
-        launches.setdefault(kernel.__name__, (kernel, args, meta))
+    kernel, args, meta = offline_sm90.flash_launch(4, 2, 32, 16, kernels.FLASH_TILES[0], pdl=2)
+    launches.setdefault(kernel.__name__, (kernel, args, meta))
     assert set(launches) == {n for n in dir(kernels) if n.endswith("_kernel")}
     specs = [offline_sm90.launch_spec(*launch) for launch in launches.values()]
     plain = [{**spec, "constexprs": {**spec["constexprs"], "PDL": 0},

@@ -237,10 +237,8 @@ class TorchBackend(Backend):
         rows, cols = int(np.prod(tensor.shape[:-1])), int(tensor.shape[-1])
         w = TorchWeight(tensor.qtype, rows, cols)
         if tensor.qtype in KINDS and self.kernels is not None:
-            planes = pack(tensor.data.reshape(rows, -1), tensor.qtype, rows, cols)
-            for key, a in planes.arrays().items():
-                setattr(planes, key, torch.from_numpy(a).to(self.device))
-            w.planes = planes
+            w.planes = pack(tensor.data.reshape(rows, -1), tensor.qtype, rows,
+                            cols).upload(self.device)
         elif tensor.qtype in KINDS and lookups:
             w.blocks = tensor.data.reshape(rows, -1)
         else:

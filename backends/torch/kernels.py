@@ -21,7 +21,9 @@
 - ``rms_norm``, ``rope``, ``glu``, ``store_kv``: one launch each instead of a handful of
   torch ops (in decode, launches rather than bytes set much of the pace).
 
-They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests). Every
+launch goes through ``_launch``, and every kernel starts with ``_await_inputs``: with
+EDGELLM_PDL on a Hopper GPU they are programmatic dependent launches (``_pdl``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def _await_inputs(PDL: tl.constexpr):
     before it is still running, so it waits here until that launch has finished and its
     writes are visible (everything before it had, in turn, finished: every kernel waits
     here first), then lets the next launch's programs be scheduled. What it saves: the gap
-    between launches, where a graph's decode step has ~230 of them."""
+    between launches, where a graph's decode step has 230-255 of them."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -68,6 +68,15 @@ class Planes:
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.arrays().values()))
 
+    def upload(self, device) -> Planes:
+        """These planes (numpy, as ``pack`` makes them) as torch tensors on ``device``, in
+        place; returns self."""
+        import torch
+
+        for key, a in self.arrays().items():
+            setattr(self, key, torch.from_numpy(a).to(device))
+        return self
+
 
 def _f16(raw: np.ndarray) -> np.ndarray:
     """(..., 2) uint8 -> (...) float16."""
