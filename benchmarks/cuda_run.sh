@@ -8,7 +8,8 @@
 # skel/*.skel.gz (synthetic_gguf.py skeleton of each model), llama/ (optional:
 # llama-bench.xz, built with -DGGML_CUDA=ON against CUDA 13, and lib/libgomp.so.1).
 #
-# STEPS names the steps, run in that order (default: all); PYTEST_K narrows the tests.
+# STEPS names the steps, run in that order (default: all; "a+b": a and b at once, for steps
+# whose speed is not measured, such as the two test steps); PYTEST_K narrows the tests.
 # BUDGET_S: the seconds the whole script may take (a lease is short): a step is cut to what
 # is left, and skipped when too little is. Logs are gathered in $LOGS and packed into
 # $OUT/logs.tgz after every step (the lease hands back 8 files at most, and a step cut
@@ -16,7 +17,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests pdltests llama bench pdl tune ab fusions ctx profile prefill mem matvec sweep"}
+STEPS=${STEPS:-"tests+pdltests llama bench pdl pdlbench pdlprompt tune ab fusions ctx profile prefill mem matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -58,7 +59,7 @@ MODELS=("$LARGE" "$GEMMA" "$SMALL")  # the goals' models first
 # cuda_pytest LOG -k EXPR FILE...: the tests (8 workers, no tuning but the tuning test's own)
 cuda_pytest() {
     local log=$1
-    EDGELLM_TUNE=0 timeout "$(limit 200)" python3 -m pytest -q -p no:cacheprovider -n 8 \
+    EDGELLM_TUNE=0 timeout "$(limit ${PYTEST_S:-200})" python3 -m pytest -q -p no:cacheprovider -n 8 \
         "${@:2}" > "$LOGS/$log" 2>&1
     echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$LOGS/$log" | head -n 20
     tail -n 2 "$LOGS/$log"
@@ -114,8 +115,26 @@ step_bench() {
             rc=$?; echo "rc=$rc"; tail -n 3 "$LOGS/bench.err"
             [ $rc = 0 ] && break
         done
-        [ -s "$json" ] && python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s', {k: r.get(k) for k in ('capture_s','tune_s','peak_device_memory','device_weight_bytes','kv_bytes','bandwidth','peak_bandwidth','ttft_ms')}) for r in json.load(open(sys.argv[1]))]" "$json"
+        [ -s "$json" ] && summary "$json"
         pack
+    done
+}
+summary() {  # summary JSON: edgellm bench's records, one line each
+    python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s', {k: r.get(k) for k in ('capture_s','tune_s','peak_device_memory','device_weight_bytes','kv_bytes','bandwidth','peak_bandwidth','ttft_ms')}) for r in json.load(open(sys.argv[1]))]" "$1"
+}
+
+# the bench again with programmatic dependent launches and prefetched weights (mode 2):
+# beside the `bench` step's figures from the same card
+step_pdlbench() {
+    local m json
+    for m in "${MODELS[@]}"; do
+        enough 40 "bench EDGELLM_PDL=2 $(name "$m")" || return
+        echo "== edgellm bench --backend torch, EDGELLM_PDL=2 $(name "$m")"
+        json="$LOGS/bench-pdl-$(name "$m").json"
+        EDGELLM_PDL=2 timeout "$(limit 120)" python3 -m edgellm.apps.cli bench -m "$m" \
+            --backend torch -p 512 -n 128 -r 3 -o json > "$json" 2> "$LOGS/bench-pdl.err"
+        echo "rc=$?"; tail -n 3 "$LOGS/bench-pdl.err"
+        [ -s "$json" ] && summary "$json"
     done
 }
 
@@ -140,11 +159,18 @@ prompt_ab() {  # prompt_ab VAR VALUES MODEL: pp512 alone (edgellm bench -n 0) pe
     done
 }
 # plain launches, programmatic dependent launches, and those with the mat-vecs' weights
-# prefetched (kernels._pdl): decode of the 1.5B and Gemma, Gemma's pp512 (below 1.0x)
+# prefetched (kernels._pdl): decode of the 1.5B and Gemma, the modes taking turns in one
+# process (each its own graphs); then Gemma's pp512 (below 1.0x; modes 1 and 2 differ only
+# in the mat-vecs, which a prompt does not run)
 step_pdl() {
-    decode_ab EDGELLM_PDL "${PDL_ORDER:-0 1 2 0 1 2}" "$LARGE" "$GEMMA"
-    prompt_ab EDGELLM_PDL "${PDL_ORDER:-0 1 2 0 1 2}" "$GEMMA"
+    local m
+    for m in "$LARGE" "$GEMMA"; do
+        enough 45 "decode PDL A/B $(name "$m")" || return
+        timeout "$(limit 90)" python3 benchmarks/torch_decode_ab.py "$m" --pdl 0,1,2 2>&1 \
+            | tee -a "$LOGS/decode_pdl.txt" | tail -n 3
+    done
 }
+step_pdlprompt() { prompt_ab EDGELLM_PDL "${PDL_ORDER:-0 2 0 2}" "$GEMMA"; }
 # decode: the tiles the card chose (the `bench` step saved them) against the defaults
 step_tune() { decode_ab EDGELLM_TUNE "${TUNE_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
 # decode: launch fusions off/on; host vs device argmax
@@ -208,6 +234,11 @@ step_sweep() {
 }
 
 for s in $STEPS; do
-    "step_$s"
+    if [[ $s == *+* ]]; then  # (in subshells: only for steps that set nothing for later)
+        for part in ${s//+/ }; do "step_$part" & done
+        wait
+    else
+        "step_$s"
+    fi
     pack
 done

@@ -8,11 +8,13 @@
   own time per step: what neither loop can beat).
 
     python benchmarks/torch_decode_ab.py MODEL.gguf [--steps 128] [--rounds 3] [--ctx N]
+        [--pdl 0,1,2]
 
 Run it under EDGELLM_FUSE_LAUNCHES=0 and =1 (alternating processes) to see the launch
-fusions' share, EDGELLM_UNFUSE=glu (etc.: backend.FUSIONS) for one fusion's,
-EDGELLM_TUNE=0 and =1 for the tuned tiles' (backends/torch/tuning.py), or EDGELLM_PDL=0, 1
-and 2 for programmatic dependent launches' (``kernels._pdl``). ``--ctx N``: a cache of N
+fusions' share, EDGELLM_UNFUSE=glu (etc.: backend.FUSIONS) for one fusion's, or
+EDGELLM_TUNE=0 and =1 for the tuned tiles' (backends/torch/tuning.py). ``--pdl 0,1,2``:
+programmatic dependent launches' share (``kernels._pdl``), in this one process: each mode
+captures its own graphs and the modes take turns within every round. ``--ctx N``: a cache of N
 slots (default: the steps + 16, as ``edgellm bench``): a graph attends over its cache's
 whole storage, so this is decode's cost in a chat's cache (4096 by default) against the
 bench's. Needs CUDA.
@@ -52,13 +54,29 @@ def _synced(run):
     return timed
 
 
+def _pdl_modes(model, modes: list[int]):
+    """A function that switches ``model`` to one of ``modes``: kernels launch in that PDL
+    mode and steps replay that mode's own graphs (a graph keeps the launches it captured)."""
+    backend = model.backend
+    stores = {mode: type(backend.graphs)(backend) for mode in modes}
+
+    def use(mode: int) -> None:
+        backend.kernels._pdl_devices.clear()  # (_pdl reads EDGELLM_PDL again)
+        os.environ["EDGELLM_PDL"] = str(mode)
+        backend.graphs = stores[mode]
+    return use
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("model")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=0, help="cache slots (default steps + 16)")
+    ap.add_argument("--pdl", default="", help="PDL modes to take turns, e.g. 0,1,2 "
+                    "(default: EDGELLM_PDL's alone)")
     args = ap.parse_args()
+    modes = [int(m) for m in args.pdl.split(",")] if args.pdl else [None]
 
     model = edgellm.load(args.model, backend="torch")
     net = model.net
@@ -69,29 +87,39 @@ def main() -> None:
     def make_cache():
         return model.make_cache(slots)
 
-    for run in runs.values():  # warm-up: captures, compiles
-        run(net, make_cache, 8, 100)
-    rates: dict[str, list[float]] = {name: [] for name in (*runs, "replay")}
-    graphs = model.backend.graphs
+    use = _pdl_modes(model, modes) if modes != [None] else lambda mode: None
+    for mode in modes:  # warm-up: captures, compiles
+        use(mode)
+        for run in runs.values():
+            run(net, make_cache, 8, 100)
+    rates = {mode: {name: [] for name in (*runs, "replay")} for mode in modes}
     for _ in range(args.rounds):
-        for name, run in runs.items():
-            rates[name].append(args.steps / run(net, make_cache, args.steps, 100))
-        replay = graphs.decode_graph(net)
-        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        begin.record()
-        for _ in range(args.steps):
-            replay.replay()
-        end.record()
-        torch.cuda.synchronize()
-        rates["replay"].append(1e3 * args.steps / begin.elapsed_time(end))
+        for mode in modes:
+            use(mode)
+            for name, run in runs.items():
+                rates[mode][name].append(args.steps / run(net, make_cache, args.steps, 100))
+            rates[mode]["replay"].append(_replay_rate(model, net, args.steps))
     fuse = os.environ.get("EDGELLM_FUSE_LAUNCHES", "1")
     tune = os.environ.get("EDGELLM_TUNE", "1")
-    pdl = os.environ.get("EDGELLM_PDL", "0")
     unfused = ",".join(sorted(model.backend.unfused)) or "-"
-    print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune} "
-          f"unfused={unfused} pdl={pdl} ctx={slots}: " + ", ".join(
-        f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
-        for name, r in rates.items()))
+    for mode in modes:
+        pdl = os.environ.get("EDGELLM_PDL", "0") if mode is None else mode
+        print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune} "
+              f"unfused={unfused} pdl={pdl} ctx={slots}: " + ", ".join(
+            f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
+            for name, r in rates[mode].items()))
+
+
+def _replay_rate(model, net, steps: int) -> float:
+    """Steps a second of the decode graph replayed back to back (CUDA events' time)."""
+    replay = model.backend.graphs.decode_graph(net)
+    begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    begin.record()
+    for _ in range(steps):
+        replay.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * steps / begin.elapsed_time(end)
 
 
 if __name__ == "__main__":
