@@ -787,19 +787,22 @@ def _chunk_q8_blocks(x_ptr, row, j0, K, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr
 def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD: tl.constexpr,
                   NS: tl.constexpr, SB: tl.constexpr):
     """One query head's output (row = token * H + head) from its partial results (read
-    past L1: other programs wrote them): the splits' maxima and sums at once (NS of them),
-    their weighted values SB splits at a time, and only the splits that saw a key (the
-    rest stored no values). A (NS, HD) tile at once would take NS * HD / threads registers:
-    at 4096 slots (128 splits) ptxas gave it 255 and spilt."""
+    past L1: other programs wrote them): the splits' top maximum at once (NS of them), then
+    their sums and weighted values SB splits at a time, loading values only from the
+    splits that saw a key (the rest stored none). A (NS, HD) tile at once would take
+    NS * HD / threads registers: at 4096 slots (128 splits) ptxas gave it 255 and spilt.
+    SB is the same for every split count, so the sums' order is too: more splits that the
+    mask hides (a graph's whole storage against an eager step's slots used) add exact zeros
+    in whole blocks of their own, never regroup the others' sum (a (4, HD) tile and a
+    (16, HD) one pair their rows differently on a GPU: three splits' values then differed
+    by an ulp)."""
     s = tl.arange(0, NS)
     d = tl.arange(0, HD)
     m = tl.load(m_ptr + row * n_splits + s, mask=s < n_splits, other=float("-inf"),
                 cache_modifier=".cg")
-    l_s = tl.load(l_ptr + row * n_splits + s, mask=s < n_splits, other=0.0,
-                  cache_modifier=".cg")
-    top = tl.max(m, axis=0)
+    top = tl.max(m, axis=0)  # (exact in any order)
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(l_s * tl.exp(m - top), axis=0)
+    total = tl.zeros((1,), tl.float32)
     acc = tl.zeros((HD,), tl.float32)
     for s0 in range(0, n_splits, SB):
         sb = s0 + tl.arange(0, SB)
@@ -807,9 +810,13 @@ def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD: tl.constexp
         m_b = tl.load(m_ptr + part, mask=sb < n_splits, other=float("-inf"),
                       cache_modifier=".cg")
         seen = m_b != float("-inf")  # (SB,) splits that stored values
-        a = tl.load(acc_ptr + part.to(tl.int64)[:, None] * HD + d[None, :],
-                    mask=seen[:, None], other=0.0, cache_modifier=".cg")  # (SB, HD)
-        acc += tl.sum(a * tl.exp(m_b - top)[:, None], axis=0)
+        if tl.max(seen.to(tl.int32), axis=0) > 0:  # a block the mask hides adds nothing
+            l_b = tl.load(l_ptr + part, mask=seen, other=0.0, cache_modifier=".cg")
+            w = tl.exp(m_b - top)  # (SB,) 0 where unseen
+            total += tl.sum(l_b * w, axis=0)
+            a = tl.load(acc_ptr + part.to(tl.int64)[:, None] * HD + d[None, :],
+                        mask=seen[:, None], other=0.0, cache_modifier=".cg")  # (SB, HD)
+            acc += tl.sum(a * w[:, None], axis=0)
     tl.store(out_ptr + row.to(tl.int64) * HD + d, acc / total)
 
 
@@ -1296,7 +1303,8 @@ def glu(gate, up, gelu: bool):
 
 #: queries up to which attention runs the split kernels (above: the caller's SDPA)
 ATTENTION_MAX_QUERIES = 8
-#: splits whose values a head's combine loads at a time ((SB, hd) f32 in registers)
+#: splits whose values a head's combine loads at a time ((SB, hd) f32 in registers), at
+#: every split count (``_attn_combine``: the same order of sums over fewer or more splits)
 COMBINE_SPLITS = 16
 
 
@@ -1336,7 +1344,7 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
         _counters(dev, n * H + n * triton.cdiv(H * hd, 256)), T, H,
         kvh, n_splits, scale, softcap or 1.0, n * H, *_q8_args(blocks, out), padded, kn, vn,
         slots, G=H // kvh, HD=hd, BT=bt, SPLIT=split, SOFTCAP=bool(softcap),
-        NS=ns, SB=min(ns, COMBINE_SPLITS), QUANT=quantize, K256=256 in blocks,
+        NS=ns, SB=COMBINE_SPLITS, QUANT=quantize, K256=256 in blocks,
         WRITE=n if write is not None else 0, num_warps=2 if hd <= 128 else 4,
         enable_fp_fusion=False)
     return (out, _as_matvec_blocks(blocks)) if quantize else out
