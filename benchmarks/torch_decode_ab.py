@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=0, help="cache slots (default steps + 16)")
     ap.add_argument("--pdl", default="", help="PDL modes to take turns, e.g. 0,1,2 "
-                    "(default: EDGELLM_PDL's alone)")
+                    "(default: EDGELLM_PDL's, or its default, alone)")
     args = ap.parse_args()
     modes = [int(m) for m in args.pdl.split(",")] if args.pdl else [None]
 
@@ -103,7 +103,8 @@ def main() -> None:
     tune = os.environ.get("EDGELLM_TUNE", "1")
     unfused = ",".join(sorted(model.backend.unfused)) or "-"
     for mode in modes:
-        pdl = os.environ.get("EDGELLM_PDL", "0") if mode is None else mode
+        pdl = mode if mode is not None else model.backend.kernels._pdl(
+            torch.device("cuda", torch.cuda.current_device()))
         print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune} "
               f"unfused={unfused} pdl={pdl} ctx={slots}: " + ", ".join(
             f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
