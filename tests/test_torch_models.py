@@ -102,7 +102,10 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
     bucket (in place, and over the rows before the write plus the new ones: rings shorter
     than the bucket, a linear layer shorter than it), decode across a speculative rollback,
     a second turn's prompt, a fresh cache (which adopts the graphs: no second capture), and
-    (window) ring caches that wrap, with a second, differently planned group of layers."""
+    (window) ring caches that wrap, with a second, differently planned group of layers. Each
+    bucket's first step is warmed up first, as a capture's is (``StepGraphs._warm_up``): a
+    warm-up that kept its KV writes made the second turn's step, the first over a wrapped
+    ring's old rows plus the new ones, attend over its own new keys (an H200 and here)."""
     from edgellm.backends.torch import graphs as graphs_module
     from edgellm.cache import CacheConfig
     from edgellm.quants import Q

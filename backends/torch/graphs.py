@@ -135,7 +135,7 @@ class _Bucket:
     logits: torch.Tensor | None = None  # (1, vocab)
     best_logit: torch.Tensor | None = None  # (1,) the logits' maximum, on the device
     best_id: torch.Tensor | None = None  # (1,) its index (the first, as numpy's argmax)
-    eager: bool = False  # its capture failed: the step runs uncaptured
+    warm: bool = False  # warmed up (``_warm_up``); no graph after it: the step runs eagerly
     host_logits: torch.Tensor | None = None  # pinned copy of the logits
     spare: _HostSet | None = None  # the other set of greedy steps' double buffering
 
@@ -181,8 +181,8 @@ class StepGraphs:
     """Captures and replays forward steps of up to 512 tokens for a TorchBackend on CUDA.
 
     On the CPU (``capture`` False: tests) the same static-buffer steps run eagerly each time,
-    so everything but the capture itself (the host books, padding, the buffers, adoption)
-    is tested without a GPU.
+    so everything but the capture itself (the host books, padding, the buffers, adoption,
+    the warm-up before a capture) is tested without a GPU.
     """
 
     def __init__(self, backend):
@@ -300,13 +300,17 @@ class StepGraphs:
             b.dev_i64[:1].copy_(b.best_id)
         if b.inputs is None:
             b.inputs = self._inputs(g, b)
-        if self.capture and b.graph is None and not b.eager:
-            try:
-                self._capture(model, b)
-            except RuntimeError as exc:  # an op that cannot be captured: this bucket runs
-                b.eager = True  # its static-buffer step eagerly from now on
-                log.warning("CUDA graph capture of a %d-token step failed (%s); running "
-                            "it eagerly", b.size, exc)
+        if not b.warm:
+            b.warm = True
+            if not self.capture:  # (the CPU: tests) warmed up as a capture is, so that the
+                self._warm_up(model, b)  # tests hold what a warm-up leaves behind
+            else:
+                try:
+                    self._capture(model, b)
+                except RuntimeError as exc:  # an op that cannot be captured: this bucket
+                    # runs its static-buffer step eagerly from now on
+                    log.warning("CUDA graph capture of a %d-token step failed (%s); running "
+                                "it eagerly", b.size, exc)
         if b.graph is not None:
             b.graph.replay()
         else:
@@ -421,15 +425,32 @@ class StepGraphs:
         return (i64[:size], i64[size:2 * size], i64[2 * size:2 * size + 1],
                 [layers[i] for i in range(len(layers))])
 
+    @staticmethod
+    def _warm_up(model, b: _Bucket) -> None:
+        """Run b's step twice (triton compiles, kernels are tuned), then put back the cache
+        rows it wrote. A step over the rows before its write followed by the new ones
+        (``writes_in_place`` False: a ring whose slice would overwrite keys it needs) reads
+        the very rows its write replaces: a warm-up that kept its writes would have the
+        step replayed after it attend over its own new keys where the old ones belonged
+        (an H200 then parted from eager steps by up to 0.3 logit at a second turn's prompt
+        once a window's ring had wrapped)."""
+        layers = b.inputs[3]
+        kept = [(layer.keys.index_select(0, layer.slots),
+                 layer.values.index_select(0, layer.slots)) for layer in layers]
+        for _ in range(2):
+            _step(model, *b.inputs)
+        for layer, (keys, values) in zip(layers, kept, strict=True):
+            layer.keys.index_copy_(0, layer.slots, keys)
+            layer.values.index_copy_(0, layer.slots, values)
+
     def _capture(self, model, b: _Bucket) -> None:
-        """Warm up (triton compiles) on a side stream, then capture one step. Both write only
-        the slots this step writes anyway, which the replay then overwrites."""
+        """Warm up on a side stream (``_warm_up``: the cache as it was after), then capture
+        one step (a capture runs nothing)."""
         start, tuned = time.perf_counter(), self.backend.tuning_seconds()
         side = self._stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                _step(model, *b.inputs)
+            self._warm_up(model, b)
         torch.cuda.current_stream().wait_stream(side)
         self.backend._rope_memo = (None, {})  # tables must be computed inside the graph
         graph = torch.cuda.CUDAGraph()
