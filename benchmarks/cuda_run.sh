@@ -17,7 +17,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests+pdltests llama bench pdl pdlbench pdlprompt tune ab fusions ctx profile prefill mem matvec sweep"}
+STEPS=${STEPS:-"tests+plaintests llama bench pdl plainbench pdlprompt tune ab fusions ctx profile prefill mem matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -73,13 +73,13 @@ step_tests() {  # first: the kernels' results on this GPU, before any figure is 
         tests/test_backend_conformance.py
 }
 
-# the same tests with every launch a programmatic dependent launch (kernels._pdl: 2, the
-# mat-vecs' weights asked of L2 before they wait): a kernel that read the launch before's
-# output before its wait would race
-step_pdltests() {
-    echo "== tests on CUDA, EDGELLM_PDL=2"
-    enough 60 pdltests || return
-    EDGELLM_PDL=2 cuda_pytest pytest-pdl.log -k "${PYTEST_K:-not teacher}" \
+# the kernel and model tests with plain launches: on Hopper `tests` runs every launch as a
+# programmatic dependent launch (kernels._pdl's default, 2), so a failure in one and not
+# the other points at a kernel that read the launch before's output before its wait
+step_plaintests() {
+    echo "== tests on CUDA, EDGELLM_PDL=0"
+    enough 60 plaintests || return
+    EDGELLM_PDL=0 cuda_pytest pytest-plain.log -k "${PYTEST_K:-not teacher}" \
         tests/test_torch_kernels.py tests/test_torch_models.py
 }
 
@@ -110,31 +110,30 @@ step_bench() {
         do
             enough 60 bench "$(name "$m")" $off || break
             [ -n "$off" ] && echo "== again with $off"
-            env $off timeout "$(limit 240)" python3 -m edgellm.apps.cli bench -m "$m" \
-                --backend torch -p 512 -n 128 -r 3 -o json > "$json" 2> "$LOGS/bench.err"
-            rc=$?; echo "rc=$rc"; tail -n 3 "$LOGS/bench.err"
-            [ $rc = 0 ] && break
+            bench_one "$m" "$json" 240 $off && break
         done
-        [ -s "$json" ] && summary "$json"
         pack
     done
 }
-summary() {  # summary JSON: edgellm bench's records, one line each
-    python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s', {k: r.get(k) for k in ('capture_s','tune_s','peak_device_memory','device_weight_bytes','kv_bytes','bandwidth','peak_bandwidth','ttft_ms')}) for r in json.load(open(sys.argv[1]))]" "$1"
+# bench_one MODEL JSON SECONDS [VAR=VALUE...]: edgellm bench's pp512 and tg128 into JSON
+# (its records summed up a line each); fails as the bench does
+bench_one() {
+    local rc
+    env "${@:4}" timeout "$(limit "$3")" python3 -m edgellm.apps.cli bench -m "$1" \
+        --backend torch -p 512 -n 128 -r 3 -o json > "$2" 2> "$LOGS/bench.err"
+    rc=$?; echo "rc=$rc"; tail -n 3 "$LOGS/bench.err"
+    [ -s "$2" ] && python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s', {k: r.get(k) for k in ('capture_s','tune_s','peak_device_memory','device_weight_bytes','kv_bytes','bandwidth','peak_bandwidth','ttft_ms')}) for r in json.load(open(sys.argv[1]))]" "$2"
+    return $rc
 }
 
-# the bench again with programmatic dependent launches and prefetched weights (mode 2):
-# beside the `bench` step's figures from the same card
-step_pdlbench() {
-    local m json
+# the bench again with plain launches (EDGELLM_PDL=0), beside the `bench` step's figures
+# (on Hopper: programmatic dependent launches, prefetched weights) from the same card
+step_plainbench() {
+    local m
     for m in "${MODELS[@]}"; do
-        enough 40 "bench EDGELLM_PDL=2 $(name "$m")" || return
-        echo "== edgellm bench --backend torch, EDGELLM_PDL=2 $(name "$m")"
-        json="$LOGS/bench-pdl-$(name "$m").json"
-        EDGELLM_PDL=2 timeout "$(limit 120)" python3 -m edgellm.apps.cli bench -m "$m" \
-            --backend torch -p 512 -n 128 -r 3 -o json > "$json" 2> "$LOGS/bench-pdl.err"
-        echo "rc=$?"; tail -n 3 "$LOGS/bench-pdl.err"
-        [ -s "$json" ] && summary "$json"
+        enough 40 "bench EDGELLM_PDL=0 $(name "$m")" || return
+        echo "== edgellm bench --backend torch, EDGELLM_PDL=0 $(name "$m")"
+        bench_one "$m" "$LOGS/bench-plain-$(name "$m").json" 120 EDGELLM_PDL=0
     done
 }
 
@@ -160,8 +159,8 @@ prompt_ab() {  # prompt_ab VAR VALUES MODEL: pp512 alone (edgellm bench -n 0) pe
 }
 # plain launches, programmatic dependent launches, and those with the mat-vecs' weights
 # prefetched (kernels._pdl): decode of the 1.5B and Gemma, the modes taking turns in one
-# process (each its own graphs); then Gemma's pp512 (below 1.0x; modes 1 and 2 differ only
-# in the mat-vecs, which a prompt does not run)
+# process (each its own graphs); `pdlprompt`: Gemma's pp512 (modes 1 and 2 differ only in
+# the mat-vecs, which a prompt does not run)
 step_pdl() {
     local m
     for m in "$LARGE" "$GEMMA"; do
