@@ -379,6 +379,37 @@ def test_attention_ignores_storage_past_the_mask(heads, kv_heads, hd, n, T, spar
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd,n,T,spare", [
+    (12, 2, 128, 1, 45, 4051),  # a chat's first reply in a 4,096-slot cache: 2 splits
+    (4, 2, 16, 3, 70, 300),  # 3 tokens
+    (2, 1, 16, 1, 8000, 8400)])  # splits of 32 over the slots used, of 64 over storage
+@pytest.mark.parametrize("quantize", [False, True], ids=["plain", "blocks"])
+def test_attention_over_a_span_splits_the_slots_used(heads, kv_heads, hd, n, T, spare,
+                                                     quantize):
+    """With ``span`` (a graph step's count of leading slots the mask may show), attention
+    over the whole storage splits the T slots used as attention over those alone does, so
+    the bits are the same even where the storage alone would split otherwise; the
+    programs past them return at once, leaving the counters at zero."""
+    q, k, v, mask = _attention_case(heads, kv_heads, hd, n, T + spare, 0, False)
+    mask[:, T:] = False
+    span = t(np.array([T]))
+    long = kernels.attention(t(q), t(k), t(v), t(mask), hd ** -0.5, quantize=quantize,
+                             span=span)
+    short = kernels.attention(t(q), t(k[:T]), t(v[:T]), t(mask[:, :T].copy()), hd ** -0.5,
+                              quantize=quantize)
+    for got, want in zip(_tensors(long), _tensors(short), strict=True):
+        assert torch.equal(got, want)
+    assert all(not c.any() for c in kernels._split_counters.values())
+
+
+def test_attention_split_slots_match_the_kernel():
+    """The host's split size (which sizes the grid) and the kernel's, at the thresholds."""
+    for used, split in ((1, 32), (8192, 32), (8193, 64), (16384, 64), (16385, 128),
+                        (65536, 256)):
+        assert kernels.split_slots(used) == split
+        assert -(-used // split) <= kernels.MAX_ATTENTION_SPLITS
+
+
 def _tensors(result) -> list:
     """attention's output, then (quantize=True) its blocks' tensors, per block size."""
     if isinstance(result, torch.Tensor):

@@ -155,6 +155,11 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
     assert np.array_equal(replayed.argmax(-1), eager.argmax(-1))
     for mine, theirs in zip(cache.layers, eager_cache.layers, strict=True):
         assert np.array_equal(mine.slot_pos, theirs.slot_pos) and mine.offset == theirs.offset
+    for b in g.buckets.values():  # each group's span ends at the last slot its mask shows
+        for gi, (start, width, _) in enumerate(b.mask_spans):
+            mask = b.host.masks[start:start + b.size * width].view(b.size, width).numpy()
+            span = int(b.host.i64[graphs_module._span_index(b.size, len(g.groups), gi)])
+            assert mask[:, span - 1].any() and not mask[:, span:].any()
     if triton:  # (the interpreter is slow; adoption is the same without it)
         return
     del cache

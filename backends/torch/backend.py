@@ -515,13 +515,17 @@ class TorchBackend(Backend):
             self._prequantized = (normed, blocks)
         return total, normed
 
-    def attention(self, q, k, v, mask, scale, softcap=0.0, write=None) -> torch.Tensor:
+    def attention(self, q, k, v, mask, scale, softcap=0.0, write=None,
+                  span=None) -> torch.Tensor:
         """q (n, H, hd) f32; k/v (T, KVH, hd) (the cache's dtype); mask (n, T) bool.
         Scores, softmax and sums in f32 (f16 queries would cost 1e-3 relative: more than
         the reference checks allow). ``write`` (GPU path: a graph step's in-place KV
         write) = (slots (n,) int64 on the device, new keys, new values (n, KVH, hd)): store
         them at those slots of k's and v's memory first (which holds one row past T: the
-        pads' spare row), in the attention's own launch where the split kernels run."""
+        pads' spare row), in the attention's own launch where the split kernels run.
+        ``span`` (the same graph steps): a (1,) int64 device tensor, the leading slots
+        outside which the mask hides all: the split kernels cover those only
+        (``kernels.attention``); every other path reads the mask alone."""
         q, k, v = _plain(self.asarray(q)), _plain(self.asarray(k)), _plain(self.asarray(v))
         if write is not None:
             slots, kn, vn = write[0], write[1].contiguous(), write[2].contiguous()
@@ -541,10 +545,11 @@ class TorchBackend(Backend):
             if (self._fused() and n <= self.kernels.MATVEC_MAX_TOKENS
                     and self._attention_blocks and "attention_blocks" not in self.unfused):
                 # the output projection's 8-bit blocks written in the same launch
-                out, blocks = self.kernels.attention(*args, quantize=True, write=write)
+                out, blocks = self.kernels.attention(*args, quantize=True, write=write,
+                                                     span=span)
                 self._prequantized = (out, blocks)
                 return out
-            return self.kernels.attention(*args, write=write)
+            return self.kernels.attention(*args, write=write, span=span)
         # (CPU SDPA with a mask: ~40 ms a decode step)
         default = (self._explicit_attention if softcap or not self.cuda
                    else self._sdpa_attention)

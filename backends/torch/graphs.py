@@ -12,7 +12,10 @@ step after; all of a cache's buckets share its KV storage and one memory pool.
 
 What changes from step to step lives in static device buffers filled from pinned host
 memory before each replay: tokens, positions, the last real row, each distinct layout's
-write slots and mask (layers with the same plan share them: two for Gemma 3, one for Qwen).
+write slots and mask (layers with the same plan share them: two for Gemma 3, one for Qwen),
+and the mask's span (the columns up to the last that any row sees): the decode attention
+splits the slots used so far, not the whole storage (an eager step's split, and the work
+of a chat's short context in a 4,096- or 32,768-slot cache).
 The host still keeps the cache's books (``slot_pos``, ``offset``) as
 ``LayerCache.update_and_fetch`` does, so trim, eager steps and everything else see the same
 cache. A layer attends as update_and_fetch does: over its storage after the write when the
@@ -63,10 +66,12 @@ class _StepLayer:
     """Model.attention's view of one layer inside a captured step of B tokens."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                 mask: torch.Tensor, stored: int, in_place: bool, kernels=None):
+                 mask: torch.Tensor, span: torch.Tensor, stored: int, in_place: bool,
+                 kernels=None):
         # (stored + 1, KVH, hd): a spare last row; plain tensors (no subclass dispatch)
         self.keys, self.values = (t.as_subclass(torch.Tensor) for t in (keys, values))
         self.slots, self.mask = slots, mask  # (B,) write slots; (B, T) visibility
+        self.span = span  # (1,): the mask's leading columns past which all are hidden
         self.stored, self.in_place = stored, in_place
         self.kernels = kernels  # the triton kernels (GPU path), or None (CPU torch)
 
@@ -82,7 +87,8 @@ class _StepLayer:
         if not self.in_place or self.kernels is None:  # (LayerCache's: store, then attend)
             return LayerCache.attend(self, backend, q, k, v, scale, softcap)
         return backend.attention(q, self.keys[:self.stored], self.values[:self.stored],
-                                 self.mask, scale, softcap, write=(self.slots, k, v))
+                                 self.mask, scale, softcap, write=(self.slots, k, v),
+                                 span=self.span)
 
     def update_and_fetch(self, k, v):
         """Write k, v (B, KVH, hd) at the static slots; keys and values (T, KVH, hd) to
@@ -114,7 +120,8 @@ class _Group:
 class _HostSet:
     """A step's inputs in (pinned) host memory, and its greedy token read back."""
 
-    i64: torch.Tensor  # tokens (B), positions (B), last row (1), slots (B) per group
+    i64: torch.Tensor  # tokens (B), positions (B), last row (1), slots (B) per group,
+    # then each group's mask span (1: the columns up to the last one any row sees)
     masks: torch.Tensor  # every group's (B, T) mask, flattened and concatenated
     best_id: torch.Tensor | None = None  # (1,) int64: the argmax read back (greedy steps)
     best_logit: torch.Tensor | None = None  # (1,) float32: its logit (NaN/inf: a fault)
@@ -348,6 +355,8 @@ class StepGraphs:
             mask[n:] = mask[n - 1]  # pads: the last row's (no row without a visible key)
             base = 2 * size + 1 + gi * size
             i64[base:base + n], i64[base + n:base + size] = slots, group.slots
+            seen = mask.any(axis=0)  # (T,): the columns some row may attend to
+            i64[_span_index(size, len(g.groups), gi)] = width - int(np.argmax(seen[::-1]))
 
     # -- graphs ----------------------------------------------------------------------------
     def _graph_for(self, model, cache: KVCache) -> _Graph | None:
@@ -402,7 +411,8 @@ class StepGraphs:
             width = group.slots + (0 if in_place else size)
             spans.append((total, width, in_place))
             total += size * width
-        host_i64 = torch.zeros(2 * size + 1 + len(g.groups) * size, dtype=torch.int64)
+        host_i64 = torch.zeros(_span_index(size, len(g.groups), len(g.groups)),
+                               dtype=torch.int64)
         host_masks = torch.zeros(total, dtype=torch.bool)
         if self.capture:  # pinned: copied to the device without a stall
             host_i64, host_masks = host_i64.pin_memory(), host_masks.pin_memory()
@@ -418,9 +428,10 @@ class StepGraphs:
             base = 2 * size + 1 + gi * size
             slots = b.dev_i64[base:base + size]
             mask = b.dev_masks[start:start + size * width].view(size, width)
+            at = _span_index(size, len(g.groups), gi)
             for li in group.layers:
-                layers[li] = _StepLayer(*g.stores[li], slots, mask, group.slots, in_place,
-                                        self.backend.kernels)
+                layers[li] = _StepLayer(*g.stores[li], slots, mask, b.dev_i64[at:at + 1],
+                                        group.slots, in_place, self.backend.kernels)
         i64 = b.dev_i64
         return (i64[:size], i64[size:2 * size], i64[2 * size:2 * size + 1],
                 [layers[i] for i in range(len(layers))])
@@ -464,6 +475,12 @@ class StepGraphs:
         tuning = self.backend.tuning_seconds() - tuned
         self.capture_seconds += time.perf_counter() - start - tuning
         self.captures += 1
+
+
+def _span_index(size: int, n_groups: int, group: int) -> int:
+    """Where group's mask span sits in a bucket's int64 buffer: after the tokens, positions
+    (size each), the last row (1) and every group's write slots (size each)."""
+    return 2 * size + 1 + n_groups * size + group
 
 
 def _step(model, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,

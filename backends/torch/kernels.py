@@ -657,12 +657,13 @@ def _glu_act(g, GELU: tl.constexpr):
 
 @triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
-                       count_ptr, T, H, KVH, n_splits, scale, softcap, n_rows, q32_ptr,
-                       d32_ptr, q256_ptr, d256_ptr, KP, kn_ptr, vn_ptr, slots_ptr,
+                       count_ptr, T, H, KVH, scale, softcap, n_rows, q32_ptr,
+                       d32_ptr, q256_ptr, d256_ptr, KP, kn_ptr, vn_ptr, slots_ptr, span_ptr,
                        G: tl.constexpr, HD: tl.constexpr, BT: tl.constexpr,
-                       SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, NS: tl.constexpr,
+                       SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                       SOFTCAP: tl.constexpr, NS: tl.constexpr,
                        SB: tl.constexpr, QUANT: tl.constexpr, K256: tl.constexpr,
-                       WRITE: tl.constexpr, PDL: tl.constexpr):
+                       WRITE: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr):
     """Attention of one token's query head over SPLIT key slots: the running max, sum of
     exponentials and weighted sum of values (flash-decoding's partial results), in f32
     from the cache's f16 (or f32) keys and values. A program per (token, head, split):
@@ -675,11 +676,30 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
     HD) f32 go to cache slots ``slots`` in this launch, the KV write's: the first split of
     a group's first head stores its token's row, and every program reads a new row from
     kn/vn (rounded to the cache's dtype, as stored) instead of the slot it is replacing,
-    so no program depends on another's store."""
+    so no program depends on another's store.
+    The splits cover the first ``used`` slots: T, or (SPAN) the count at span_ptr, past
+    which the mask hides every slot (a graph's storage, of which a step has used a few):
+    splits of the smallest power of two of at least BT slots that makes at most
+    MAX_SPLITS of them (``_split_slots``), so the same slots used split alike over any
+    storage; the grid's programs past them return at once. SPLIT: that size where it is
+    the same for every count up to T (a constant: one tile a split, as compiled before
+    the span), else 0."""
     _await_inputs(PDL)
     tok = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
+    used = tl.load(span_ptr).to(tl.int32) if SPAN else T
+    if SPLIT:
+        first = sp * SPLIT
+        last = first + SPLIT
+        n_splits = tl.cdiv(used, SPLIT)
+    else:
+        split = _split_slots(used, BT, MAX_SPLITS)
+        first = sp * split
+        last = first + split
+        n_splits = tl.cdiv(used, split)
+    if sp >= n_splits:
+        return
     kvh = h // G
     d = tl.arange(0, HD)
     q = tl.load(q_ptr + (tok * H + h).to(tl.int64) * HD + d) * scale  # (HD,)
@@ -689,7 +709,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
     m_i = tl.full((1,), float("-inf"), tl.float32)
     l_i = tl.zeros((1,), tl.float32)
     acc = tl.zeros((HD,), tl.float32)
-    for t0 in range(sp * SPLIT, sp * SPLIT + SPLIT, BT):
+    for t0 in range(first, last, BT):
         t = t0 + tl.arange(0, BT)
         valid = tl.load(mask_ptr + tok.to(tl.int64) * T + t, mask=t < T, other=0) != 0
         if tl.max(valid.to(tl.int32), axis=0) > 0:  # a tile the mask hides costs nothing
@@ -728,6 +748,16 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
             tl.debug_barrier()  # the head's output written before its chunks' counts
             _head_q8_chunks(out_ptr, count_ptr + n_rows, tok, h, H * HD, KP, q32_ptr,
                             d32_ptr, q256_ptr, d256_ptr, HD, K256)
+
+
+@triton.jit
+def _split_slots(used, BT: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Slots per split of attention over ``used`` slots: the smallest power of two of at
+    least BT that makes at most MAX_SPLITS splits (``split_slots``, on the device)."""
+    split = BT
+    while split * MAX_SPLITS < used:
+        split *= 2
+    return split
 
 
 @triton.jit
@@ -1309,8 +1339,20 @@ ATTENTION_MAX_QUERIES = 8
 COMBINE_SPLITS = 16
 
 
+#: the most splits attention's slots take (``split_slots``)
+MAX_ATTENTION_SPLITS = 256
+#: slots of a split's tile (and the fewest a split takes)
+ATTENTION_TILE = 32
+
+
+def split_slots(used: int) -> int:
+    """Slots per split of decode attention over ``used`` slots: the smallest power of two of
+    at least ATTENTION_TILE that makes at most MAX_ATTENTION_SPLITS splits."""
+    return max(ATTENTION_TILE, triton.next_power_of_2(triton.cdiv(used, MAX_ATTENTION_SPLITS)))
+
+
 def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool = False,
-              write: tuple | None = None):
+              write: tuple | None = None, span=None):
     """q (n, H, hd) f32 contiguous; k, v (T, KVH, hd) f16 or f32 contiguous; mask (n, T)
     bool -> (n, H, hd) f32. Split over the key slots (flash-decoding: enough programs for a
     GPU at one token), combined by each head's last split to finish, in one launch. hd must
@@ -1318,7 +1360,11 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
     ``then_quantize`` returns them: (out, blocks). ``write`` = (slots (n,) int64, kn, vn (n,
     KVH, hd) f32 contiguous): store the step's keys and values at those slots of k and v's
     memory first, in the same launch (what ``store_kv`` then attention do); a slot may lie
-    past T (graphs' spare row: stored, never read).
+    past T (graphs' spare row: stored, never read). ``span``: a (1,) int64 tensor on the
+    device, the count of leading slots outside which the mask hides every one: the splits
+    cover those only, and the bits equal attention over k[:span], v[:span] and the mask's
+    first span columns (a graph's step over its whole storage then works, and rounds, as an
+    eager step over the slots used so far).
 
     Compiled without multiply-add contraction: the combine's sums over the splits then
     give the same bits for any number of trailing splits the mask hides, so attention over
@@ -1329,10 +1375,14 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
 
     n, H, hd = q.shape
     T, kvh = k.shape[0], k.shape[1]
-    bt = 32
-    split = max(bt, triton.next_power_of_2(triton.cdiv(T, 256)))  # <= 256 splits
-    n_splits = triton.cdiv(T, split)
+    bt = ATTENTION_TILE
+    # programs for the most splits any count of slots used up to T takes (the kernel splits
+    # the slots used, and those past them return)
+    n_splits = (min(MAX_ATTENTION_SPLITS, triton.cdiv(T, bt)) if span is not None
+                else triton.cdiv(T, split_slots(T)))
     ns = max(triton.next_power_of_2(n_splits), 2)
+    # (a constant split where no count of slots used up to T splits otherwise)
+    fixed = split_slots(T) if span is None or split_slots(T) == bt else 0
     dev = q.device
     m = torch.empty((n, H, n_splits), dtype=torch.float32, device=dev)
     l_s = torch.empty_like(m)
@@ -1343,11 +1393,11 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
     _launch(_attn_split_kernel, (n, H, n_splits),
         q, k, v, mask.view(torch.uint8), m, l_s, acc, out,
         _counters(dev, n * H + n * triton.cdiv(H * hd, 256)), T, H,
-        kvh, n_splits, scale, softcap or 1.0, n * H, *_q8_args(blocks, out), padded, kn, vn,
-        slots, G=H // kvh, HD=hd, BT=bt, SPLIT=split, SOFTCAP=bool(softcap),
-        NS=ns, SB=COMBINE_SPLITS, QUANT=quantize, K256=256 in blocks,
-        WRITE=n if write is not None else 0, num_warps=2 if hd <= 128 else 4,
-        enable_fp_fusion=False)
+        kvh, scale, softcap or 1.0, n * H, *_q8_args(blocks, out), padded, kn, vn,
+        slots, span if span is not None else slots, G=H // kvh, HD=hd, BT=bt, SPLIT=fixed,
+        MAX_SPLITS=MAX_ATTENTION_SPLITS, SOFTCAP=bool(softcap), NS=ns, SB=COMBINE_SPLITS,
+        QUANT=quantize, K256=256 in blocks, WRITE=n if write is not None else 0,
+        SPAN=span is not None, num_warps=2 if hd <= 128 else 4, enable_fp_fusion=False)
     return (out, _as_matvec_blocks(blocks)) if quantize else out
 
 
