@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from edgellm.cache import ContextOverflow, KVCache, context_event
-from edgellm.sampling import SamplingParams, logits_processor, make_sampler, probabilities
+from edgellm.sampling import SamplingParams, draw, logits_processor, make_sampler, probabilities
 from edgellm.speculative import (
     Drafter,
     DraftLengthController,
@@ -156,8 +156,8 @@ def speculative_generate_step(
     shift = cache.offset - len(history)  # cache slots before context[0] (normally 0)
     try:
         logits = process(checked_logits(net.forward(np.asarray(prompt), cache)[-1], 0), context)
-        token = int(np.argmax(logits)) if params.greedy else int(
-            rng.choice(len(logits), p=probabilities(logits, params)))
+        token = (int(np.argmax(logits)) if params.greedy
+                 else draw(probabilities(logits, params), rng))
         context.append(token)
         stats.tokens += 1
         drafter.prefill(context)  # prompt processing of the draft: before the first token

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from edgellm.cache import ContextOverflow, KVCache
-from edgellm.sampling import SamplingParams, probabilities
+from edgellm.sampling import SamplingParams, draw, probabilities
 
 if TYPE_CHECKING:
     from edgellm.api import Model
@@ -234,7 +234,7 @@ class ModelDrafter:
                     token, q = int(np.argmax(logits)), None
                 else:
                     q = probabilities(logits, params)
-                    token = int(rng.choice(len(q), p=q))
+                    token = draw(q, rng)
                 tokens.append(token)
                 qs.append(q)
                 context.append(token)
@@ -470,7 +470,7 @@ def verify(draft: Draft, target_logits: np.ndarray, context: Sequence[int],
         else:
             p = probabilities(logits, params)
             if drafted is None:  # past the draft: the bonus token, straight from p
-                out_tokens.append(int(rng.choice(len(p), p=p)))
+                out_tokens.append(draw(p, rng))
                 break
             q = draft.q[i]
             q_d = 1.0 if q is None else q[drafted]
@@ -493,4 +493,4 @@ def resample(p: np.ndarray, q: np.ndarray | None, drafted: int, rng: np.random.G
     total = residual.sum()
     if total <= 0:  # p == q: rejection had probability 0; fall back to p
         residual, total = p, p.sum()
-    return int(rng.choice(len(residual), p=residual / total))
+    return draw(residual / total, rng)

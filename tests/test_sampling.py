@@ -112,3 +112,38 @@ def test_top_p_over_the_live_tokens_equals_sorting_the_whole_vocabulary():
                                 min_p=float(rng.choice([0.0, 0.05])))
         assert np.array_equal(probabilities(logits, params),
                               full_sort_probabilities(logits, params))
+
+
+@pytest.mark.parametrize("vocab", [151936, 262144, 10000])
+def test_probabilities_over_a_real_vocabulary_equal_the_plain_definition(vocab):
+    """At real vocabulary sizes top-k finds its k-th logit in the blocks whose maxima can
+    hold it and the chain works on the tokens in play: bit-identical to the plain
+    definition (ties at the k-th logit, peaked and flat logits, every knob)."""
+    rng = np.random.default_rng(vocab)
+    for trial in range(24):
+        logits = (rng.normal(size=vocab) * rng.choice([0.5, 3, 30])).astype(np.float32)
+        if trial % 4 == 0:
+            logits = np.round(logits)  # many ties at the k-th
+        if trial % 4 == 1:
+            logits[rng.integers(vocab, size=60)] = logits.max()  # 60 equal maxima
+        params = SamplingParams(temperature=float(rng.choice([0.3, 0.8, 1.5])),
+                                top_k=int(rng.choice([1, 40, 100, 0])),
+                                top_p=float(rng.choice([0.5, 0.95, 1.0])),
+                                min_p=float(rng.choice([0.0, 0.05])))
+        assert np.array_equal(probabilities(logits, params),
+                              full_sort_probabilities(logits, params))
+
+
+def test_draws_equal_draws_over_the_whole_vocabulary():
+    """The sampler draws over the tokens in play: the same tokens, seed for seed, as a draw
+    over the whole vocabulary's distribution (zeros elsewhere) with the same generator."""
+    rng = np.random.default_rng(3)
+    for seed in range(40):
+        logits = (rng.normal(size=151936) * 2).astype(np.float32)
+        params = SamplingParams(temperature=float(rng.choice([0.5, 0.8, 2.0])),
+                                top_k=int(rng.choice([40, 0])), top_p=0.95, min_p=0.0,
+                                seed=seed)
+        sample, plain = make_sampler(params), np.random.default_rng(seed)
+        p = full_sort_probabilities(logits, params)
+        for _ in range(5):
+            assert sample(logits) == int(plain.choice(p.size, p=p))
