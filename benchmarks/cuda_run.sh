@@ -17,7 +17,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests+plaintests llama bench pdl plainbench pdlprompt tune ab fusions ctx profile prefill mem matvec sweep"}
+STEPS=${STEPS:-"tests+plaintests llama bench pdl plainbench pdlprompt tune ab fusions ctx sampling profile prefill mem matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -188,6 +188,12 @@ step_ctx() {
         timeout "$(limit 90)" python3 benchmarks/torch_decode_ab.py "$LARGE" --ctx "$c" 2>&1 \
             | tee -a "$LOGS/decode_ctx.txt" | tail -n 1
     done
+}
+
+step_sampling() {  # the default chain drawn on the device (sampled_tokens) against the host
+    enough 60 "sampling" || return
+    timeout "$(limit 150)" python3 benchmarks/sampling_ab.py "$LARGE" --backend torch \
+        --tokens 128 2>&1 | tee -a "$LOGS/sampling.txt" | tail -n 5
 }
 
 step_profile() {  # kernels per prompt and decode step: the 1.5B's decode, Gemma's prefill

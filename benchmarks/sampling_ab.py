@@ -1,13 +1,19 @@
 """Decode with the default sampling chain (what ``edgellm chat`` runs) against greedy decode,
-with this tree's sampler and with the sampler of another git revision, in turns in one
-process: tokens/s of ``generate_step`` after the prompt, medians of the rounds. The two
-samplers must draw the same tokens for the same seed (asserted: a speed change only).
+in turns in one process: tokens/s of ``generate_step`` after the prompt, medians of the
+rounds. The runs:
 
-    python benchmarks/sampling_ab.py MODEL.gguf --against REV [--tokens 64] [--rounds 3]
+- ``greedy``: the argmax alone (what ``edgellm bench`` measures);
+- ``default``: the chain as ``generate_step`` runs it (a device backend with graphs draws
+  it on the device: ``Model.sampled_tokens``);
+- ``default, host``: the chain sampled on the host (``sampled_tokens`` off);
+- ``default, host at REV`` (``--against REV``): another git revision's host sampler.
+
+The host samplers must draw the same tokens for the same seed (asserted); whether the
+device's draws equal them is printed (they may part only where a uniform falls within a
+few ulps of a running sum).
+
+    python benchmarks/sampling_ab.py MODEL.gguf [--against REV] [--tokens 64] [--rounds 3]
         [--backend cpu]
-
-``edgellm bench`` decodes greedily (the argmax alone), so this is where the sampler's own
-cost shows.
 """
 
 from __future__ import annotations
@@ -43,11 +49,15 @@ def sampling_module_at(rev: str):
     return module
 
 
-def decode_speed(model, params: SamplingParams, make_sampler, tokens: int):
+def decode_speed(model, params: SamplingParams, make_sampler, on_device: bool,
+                 tokens: int):
     """(tokens/s after the first token, the tokens) of one generate_step run."""
     generate.make_sampler = make_sampler
+    net = model.net
+    if not on_device:
+        net.sampled_tokens = lambda *args: None  # (an instance attribute over the method)
     prompt = model.tokenizer.encode(PROMPT)
-    steps = generate.generate_step(prompt, model.net, model.make_cache(1024), params)
+    steps = generate.generate_step(prompt, net, model.make_cache(1024), params)
     try:
         next(steps)  # the prompt and the first token
         start = time.perf_counter()
@@ -55,33 +65,40 @@ def decode_speed(model, params: SamplingParams, make_sampler, tokens: int):
         return tokens / (time.perf_counter() - start), drawn
     finally:
         steps.close()
+        vars(net).pop("sampled_tokens", None)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("--against", required=True, help="git revision of the other sampler")
+    ap.add_argument("--against", help="git revision of another host sampler to time")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", default="cpu")
     args = ap.parse_args()
-    other = sampling_module_at(args.against)
     model = edgellm.load(args.model, backend=args.backend)
-    runs = {"greedy": (SamplingParams(temperature=0), generate.make_sampler),
-            "default, this tree": (SamplingParams(seed=5), generate.make_sampler),
-            f"default, {args.against}": (SamplingParams(seed=5), other.make_sampler)}
+    ours, chain = generate.make_sampler, SamplingParams(seed=5)
+    runs = {"greedy": (SamplingParams(temperature=0), ours, True),
+            "default": (chain, ours, True),
+            "default, host": (chain, ours, False)}
+    if args.against:
+        theirs = sampling_module_at(args.against).make_sampler
+        # (a revision's make_sampler may take params alone: seeded alike, the same draws)
+        runs[f"default, host at {args.against}"] = (
+            chain, lambda params, rng=None: theirs(params), False)
     speeds: dict[str, list[float]] = {name: [] for name in runs}
     drawn: dict[str, list[int]] = {}
     for _ in range(args.rounds):
-        for name, (params, make) in runs.items():
-            speed, tokens = decode_speed(model, params, make, args.tokens)
+        for name, (params, make, on_device) in runs.items():
+            speed, tokens = decode_speed(model, params, make, on_device, args.tokens)
             speeds[name].append(speed)
             drawn.setdefault(name, tokens)
-    mine, theirs = (drawn[name] for name in list(runs)[1:])
-    assert mine == theirs, "the two samplers drew different tokens for the same seed"
+    host = [drawn[name] for name in runs if name.startswith("default, host")]
+    assert all(t == host[0] for t in host), "the host samplers drew different tokens"
     for name, values in speeds.items():
         spread = " ".join(f"{v:.1f}" for v in values)
         print(f"{name}: {statistics.median(values):.1f} t/s ({spread})")
+    print(f"device draws equal the host's: {drawn['default'] == host[0]}")
 
 
 if __name__ == "__main__":

@@ -92,15 +92,18 @@ def generate_step(
     Yields (token, logits) for each new token, for ever: the caller decides when to stop,
     and closes the generator (a device backend's greedy steps run one token ahead, which
     closing takes back out of the cache). Where the token is the logits' argmax
-    (``params.argmax_only``) it comes from ``net.greedy_tokens`` and the logits after the
-    first are None: a device backend then keeps them on the device.
+    (``params.argmax_only``) it comes from ``net.greedy_tokens``, and where a device
+    backend draws the chain itself (``net.sampled_tokens``: top-k, top-p, min-p and
+    temperature, one uniform a token from the same generator) the tokens after the first
+    come from it; the logits after the first are then None: they stay on the device.
     ``history`` is the context already in the cache, for the repetition penalties.
     ``cancel``: see ``prefill`` (between tokens, the caller checks it).
     """
     if len(prompt) == 0:
         raise ValueError("empty prompt: give at least one token")
     process = logits_processor(params)
-    sample = make_sampler(params)
+    rng = np.random.default_rng(params.seed)
+    sample = make_sampler(params, rng)
     context = list(history) + list(prompt)
     logits = checked_logits(prefill(net, prompt, cache, cancel), 0)
     if params.argmax_only and hasattr(net, "greedy_tokens"):
@@ -110,11 +113,19 @@ def generate_step(
             for token in tokens:
                 yield token, None
         return
+    on_device = None
     while True:
         logits = process(logits, context)
         token = sample(logits)
         yield token, logits
         context.append(token)
+        if on_device is None and hasattr(net, "sampled_tokens"):
+            on_device = net.sampled_tokens(token, cache, params, rng) or False
+            if on_device:
+                with closing(on_device) as tokens:
+                    for token in tokens:
+                        yield token, None
+                return
         logits = checked_logits(net.forward(np.asarray([token]), cache)[-1],
                                 len(context) - len(history) - len(prompt))
 

@@ -198,9 +198,11 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(ids[rng.choice(ids.size, p=probs[ids])])
 
 
-def make_sampler(params: SamplingParams) -> Callable[[np.ndarray], int]:
-    """A function logits (vocab,) -> token id; seeded for reproducible draws."""
-    rng = np.random.default_rng(params.seed)
+def make_sampler(params: SamplingParams,
+                 rng: np.random.Generator | None = None) -> Callable[[np.ndarray], int]:
+    """A function logits (vocab,) -> token id; seeded for reproducible draws (``rng``: draw
+    with this generator instead of one seeded with ``params.seed``)."""
+    rng = rng if rng is not None else np.random.default_rng(params.seed)
 
     def sample(logits: np.ndarray) -> int:
         if params.greedy:

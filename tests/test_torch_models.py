@@ -368,6 +368,90 @@ def test_stream_generate_greedy_uses_device_argmax(tmp_path, monkeypatch):
     assert cache.offset == cache_host.offset == 4 + 5
 
 
+@pytest.mark.parametrize("window", [0, 5])
+def test_sampled_tokens_on_the_device_equal_host_sampling(tmp_path, monkeypatch, window):
+    """A sampled reply whose chain the device can draw (top-k up to its candidates, no
+    penalties or bias) takes its tokens from Model.sampled_tokens after the first: the
+    tokens the host's sampler draws, seed for seed (one uniform a token from the same
+    generator), for several chains, and the cache where the host path leaves it once
+    closed (the step run ahead taken back out). A chain the device cannot draw (top-k off,
+    a penalty) samples on the host."""
+    from edgellm.generate import generate_step
+    from edgellm.quants import Q
+    from edgellm.sampling import SamplingParams
+
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q.Q8_0, backend, window)
+    graphs = backend.graphs
+    drawn_on_device = []  # (params, whether graphs.sample took them) per reply
+
+    def spy(model, token, cache, params, rng):
+        steps = real(model, token, cache, params, rng)
+        drawn_on_device.append((params, steps is not None))
+        return steps
+
+    real = graphs.sample
+    monkeypatch.setattr(graphs, "sample", spy)
+    chains = [SamplingParams(seed=1), SamplingParams(seed=2, temperature=1.5, top_k=64,
+                                                     top_p=1.0, min_p=0.0),
+              SamplingParams(seed=3, temperature=0.7, top_k=5, top_p=0.5, min_p=0.1),
+              SamplingParams(seed=4, top_k=1)]
+    replies = []
+    for params in chains + [SamplingParams(temperature=0)]:
+        out = []
+        for use_graphs in (True, False):
+            backend.graphs = graphs if use_graphs else None
+            cache = net.make_cache(64)
+            steps = generate_step([1, 5, 9, 200], net, cache, params)
+            tokens = [next(steps)[0] for _ in range(12)]
+            steps.close()
+            out.append((tokens, cache.offset))
+        backend.graphs = graphs
+        (device, offset), (host, offset_host) = out
+        assert device == host and offset == offset_host == 4 + 11
+        replies.append(device)
+    assert drawn_on_device == [(params, True) for params in chains]
+    assert replies[0] != replies[-1]  # (the default chain's draws are not the argmax's)
+    host_only = [SamplingParams(seed=1, top_k=0), SamplingParams(seed=1, top_k=65),
+                 SamplingParams(seed=1, repetition_penalty=1.1)]
+    for params in host_only:
+        steps = generate_step([1, 5, 9, 200], net, net.make_cache(64), params)
+        [next(steps) for _ in range(3)]
+        steps.close()
+    assert drawn_on_device[len(chains):] == [(params, False) for params in host_only]
+
+
+def test_device_draw_equals_the_host_draw():
+    """graphs._sample (top-k of the candidates, top-p, min-p, temperature, the draw by a
+    uniform) picks the token the host's chain picks for the same uniform, on logits with
+    ties at the k-th (as many as the candidates hold) and at the top, and returns the
+    logits' maximum."""
+    from edgellm.backends.torch import graphs as graphs_module
+    from edgellm.sampling import SamplingParams, _in_play
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        logits = (rng.normal(size=1000) * rng.choice([0.3, 2.0, 8.0])).astype(np.float32)
+        top_k = int(rng.choice([1, 2, 40, 64]))
+        order = np.argsort(-logits)
+        if trial % 3 == 0 and top_k <= 60:  # 4 more equal to the k-th, 1 more to the top
+            logits[order[top_k:top_k + 4]] = logits[order[top_k - 1]]
+            logits[order[1]] = logits[order[0]]
+        params = SamplingParams(temperature=float(rng.choice([0.3, 0.8, 1.5])),
+                                top_k=top_k,
+                                top_p=float(rng.choice([0.3, 0.95, 1.0])),
+                                min_p=float(rng.choice([0.0, 0.05, 0.2])))
+        u = rng.random()
+        ids, probs = _in_play(logits, params)
+        running = np.cumsum(probs)
+        want = int(ids[np.searchsorted(running / running[-1], u, side="right")])
+        knobs = graphs_module._Draw(params, np.random.default_rng(0)).knobs()
+        knobs[3] = u
+        best, token = graphs_module._sample(torch.from_numpy(logits)[None],
+                                            torch.tensor(knobs, dtype=torch.float64))
+        assert int(token) == want and float(best) == logits.max()
+
+
 @pytest.mark.parametrize("gemm", ["dequantize", "fused", "tuned"],
                          ids=["dequantize-gemm", "fused-gemm", "tuned"])
 def test_triton_path_follows_cpu_torch(tmp_path, monkeypatch, gemm):

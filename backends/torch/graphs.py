@@ -43,6 +43,7 @@ the copies, the replay's launch) overlaps the GPU's work on the step before.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from collections.abc import Iterator
@@ -126,6 +127,7 @@ class _HostSet:
     best_id: torch.Tensor | None = None  # (1,) int64: the argmax read back (greedy steps)
     best_logit: torch.Tensor | None = None  # (1,) float32: its logit (NaN/inf: a fault)
     done: torch.cuda.Event | None = None  # recorded after the read-back (on a GPU)
+    knobs: torch.Tensor | None = None  # (5,) float64: a sampled step's (``_sample``)
 
 
 @dataclass
@@ -145,6 +147,10 @@ class _Bucket:
     warm: bool = False  # warmed up (``_warm_up``); no graph after it: the step runs eagerly
     host_logits: torch.Tensor | None = None  # pinned copy of the logits
     spare: _HostSet | None = None  # the other set of greedy steps' double buffering
+    dev_knobs: torch.Tensor | None = None  # (5,) float64: ``_sample``'s knobs
+    sampler: torch.cuda.CUDAGraph | None = None  # ``_sample`` over the step's logits
+    sampler_eager: bool = False  # its capture failed: ``_sample`` runs eagerly
+    sampled: tuple | None = None  # (the maximum logit (1,), the drawn token (1,))
 
     def flip(self) -> _HostSet:
         """Swap in the other host set (made at the first flip): a step queued ahead fills
@@ -243,40 +249,58 @@ class StepGraphs:
             return None
         return self._greedy_steps(model, g, token, cache)
 
-    def _greedy_steps(self, model, g: _Graph, token: int, cache: KVCache):
-        current = self._greedy_launch(model, g, cache, np.array([token], dtype=np.int64))
+    def sample(self, model, token: int, cache: KVCache, params,
+               rng: np.random.Generator) -> Iterator[tuple[int, float]] | None:
+        """Decoding after ``token`` with ``params``' chain drawn on the device (``_sample``:
+        top-k, top-p, min-p, temperature, the draw), one uniform of ``rng`` a step drawn on
+        the host as ``make_sampler`` draws it: yields each step's token and the logits'
+        maximum (NaN or inf: a fault), for ever, run one step ahead as ``greedy``'s; None
+        when the cache cannot run as graphs or the chain needs the host (``samplable``).
+        A step's uniform is drawn when it is queued, the step ahead's included: a closed
+        generator has taken one more from ``rng`` than it yielded tokens."""
+        g = self._graph_for(model, cache) if samplable(params, model.args.vocab_size) else None
+        if g is None:
+            return None
+        return self._greedy_steps(model, g, token, cache, _Draw(params, rng))
+
+    def _greedy_steps(self, model, g: _Graph, token: int, cache: KVCache,
+                      draw: _Draw | None = None):
+        current = self._greedy_launch(model, g, cache, np.array([token], dtype=np.int64),
+                                      draw)
         ahead = None
         try:
             while True:
                 # (fits(2): the last free slot is left to a token read back, so a caller that
                 # stops when the cache cannot take one more stops where it would without this)
                 if cache.fits(2) and cache.max_trim() >= 1:
-                    ahead = self._greedy_launch(model, g, cache, None)
+                    ahead = self._greedy_launch(model, g, cache, None, draw)
                 token, logit = self._read_back(current)
                 yield token, logit
                 if ahead is None:
-                    ahead = self._greedy_launch(model, g, cache, np.array([token]))
+                    ahead = self._greedy_launch(model, g, cache, np.array([token]), draw)
                 current, ahead = ahead, None
         finally:
             if ahead is not None:  # queued but never yielded
                 self._read_back(ahead)
                 cache.trim(1)
 
-    def _greedy_launch(self, model, g: _Graph, cache: KVCache,
-                       tokens: np.ndarray | None) -> _HostSet:
+    def _greedy_launch(self, model, g: _Graph, cache: KVCache, tokens: np.ndarray | None,
+                       draw: _Draw | None = None) -> _HostSet:
         """Queue one decode step (its token from the host, or None: the previous step's
-        argmax on the device) and the read-back of its argmax; the host set to read."""
+        token on the device) and the read-back of its token: the argmax, or (``draw``) the
+        token ``_sample`` draws; the host set to read."""
         chained = tokens is None
         b = self._launch(model, g, 1, cache, np.zeros(1, np.int64) if chained else tokens,
-                         from_device=chained, flip=True)
+                         from_device=chained, flip=True, draw=draw)
         host = b.host
         if host.best_id is None:  # made once per host set
             pin = self.capture
             host.best_id = torch.empty(1, dtype=torch.int64, pin_memory=pin)
             host.best_logit = torch.empty(1, dtype=torch.float32, pin_memory=pin)
             host.done = torch.cuda.Event() if self.capture else None
-        host.best_id.copy_(b.best_id, non_blocking=True)
-        host.best_logit.copy_(b.best_logit, non_blocking=True)
+        best_logit, best_id = b.sampled if draw is not None else (b.best_logit, b.best_id)
+        host.best_id.copy_(best_id, non_blocking=True)
+        host.best_logit.copy_(best_logit, non_blocking=True)
         if host.done is not None:
             host.done.record()
         return host
@@ -288,10 +312,13 @@ class StepGraphs:
         return int(host.best_id[0]), float(host.best_logit[0])
 
     def _launch(self, model, g: _Graph, size: int, cache: KVCache, tokens: np.ndarray,
-                from_device: bool = False, flip: bool = False) -> _Bucket:
+                from_device: bool = False, flip: bool = False,
+                draw: _Draw | None = None) -> _Bucket:
         """Book ``tokens`` in the cache and queue their step in bucket ``size`` (captured at
-        its first use); ``from_device``: the first token is the previous step's argmax.
-        ``flip``: fill the bucket's other host set (greedy steps run one step ahead)."""
+        its first use); ``from_device``: the first token is the previous step's argmax (or,
+        ``draw``, its drawn token). ``flip``: fill the bucket's other host set (greedy steps
+        run one step ahead). ``draw``: a token is drawn from the step's logits after it
+        (``_sample_after``)."""
         positions = cache.begin(len(tokens))  # ContextOverflow as forward would raise it
         layout = tuple(cache.layers[group.layers[0]].writes_in_place(int(positions[0]), size)
                        for group in g.groups)
@@ -303,8 +330,8 @@ class StepGraphs:
         self._advance(g, b, cache, tokens, positions)
         b.dev_i64.copy_(b.host.i64, non_blocking=True)
         b.dev_masks.copy_(b.host.masks, non_blocking=True)
-        if from_device:  # the bucket's last argmax, stream-ordered after its step
-            b.dev_i64[:1].copy_(b.best_id)
+        if from_device:  # the bucket's last token, stream-ordered after its step
+            b.dev_i64[:1].copy_(b.sampled[1] if draw is not None else b.best_id)
         if b.inputs is None:
             b.inputs = self._inputs(g, b)
         if not b.warm:
@@ -324,7 +351,45 @@ class StepGraphs:
             self.backend._rope_memo = (None, {})  # same positions tensor, new values
             b.logits = _step(model, *b.inputs)
             b.best_logit, b.best_id = _greedy(b.logits)
+        if draw is not None:
+            self._sample_after(b, draw)
         return b
+
+    def _sample_after(self, b: _Bucket, draw: _Draw) -> None:
+        """Queue ``_sample`` over b's logits with this step's knobs (copied from its host
+        set), as a graph of its own where the step's is one (captured at its first use)."""
+        host = b.host
+        if host.knobs is None:
+            host.knobs = torch.empty(5, dtype=torch.float64, pin_memory=self.capture)
+        host.knobs.numpy()[:] = draw.knobs()
+        if b.dev_knobs is None:
+            b.dev_knobs = torch.empty(5, dtype=torch.float64, device=self.backend.device)
+        b.dev_knobs.copy_(host.knobs, non_blocking=True)
+        if b.sampler is not None:
+            b.sampler.replay()
+        elif b.graph is None or b.sampler_eager:  # (eager steps: new logits each time)
+            b.sampled = _sample(b.logits, b.dev_knobs)
+        else:
+            try:
+                b.sampler = self._capture_sampler(b)
+                b.sampler.replay()
+            except RuntimeError as exc:
+                log.warning("CUDA graph capture of the sampler failed (%s); drawing eagerly",
+                            exc)
+                b.sampler, b.sampler_eager = None, True
+                b.sampled = _sample(b.logits, b.dev_knobs)
+
+    def _capture_sampler(self, b: _Bucket) -> torch.cuda.CUDAGraph:
+        """``_sample`` over b's (static) logits and knobs as a graph, after a warm-up."""
+        side = self._stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _sample(b.logits, b.dev_knobs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
+            b.sampled = _sample(b.logits, b.dev_knobs)
+        return graph
 
     # -- host books ------------------------------------------------------------------------
     def _advance(self, g: _Graph, b: _Bucket, cache: KVCache, tokens: np.ndarray,
@@ -499,6 +564,62 @@ def _step(model, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
     if model.args.final_logit_softcap:
         logits = B.softcap(logits, model.args.final_logit_softcap)
     return logits
+
+
+#: the most logits ``_sample`` draws among (a top-k above it samples on the host)
+SAMPLE_CANDIDATES = 64
+
+
+def samplable(params, vocab: int) -> bool:
+    """Can ``_sample`` draw params' tokens? Top-k of 1..SAMPLE_CANDIDATES (below the
+    vocabulary), no penalties or logit bias (those need the history on the host), not
+    greedy (the argmax is ``_greedy``'s)."""
+    return (not params.greedy and not params.penalizes and not params.logit_bias
+            and 0 < params.top_k <= min(SAMPLE_CANDIDATES, vocab - 1))
+
+
+class _Draw:
+    """A sampled decode's knobs and generator: each step's (temperature, top-p (2: off),
+    min-p, a uniform of the generator, top-k) for ``_sample``."""
+
+    def __init__(self, params, rng: np.random.Generator):
+        self.params, self.rng = params, rng
+
+    def knobs(self) -> list[float]:
+        p = self.params
+        # (one uniform a token, as Generator.choice takes it: the host's draws, seed for seed)
+        return [p.temperature, p.top_p if p.top_p < 1.0 else 2.0, p.min_p, self.rng.random(),
+                float(p.top_k)]
+
+
+def _sample(logits: torch.Tensor, knobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``edgellm.sampling``'s chain over logits (1, vocab) on the device with fixed shapes:
+    the SAMPLE_CANDIDATES largest logits in token order, those >= the top_k-th (its ties
+    too, up to the candidates), top-p over them by probability (ties by token), min-p,
+    temperature, then the first token whose running probability passes the uniform u:
+    knobs (5,) f64 = (temperature, top_p, min_p, u, top_k). The host's arithmetic in f64,
+    but its sums are not pairwise over the vocabulary: a draw can differ from the host's
+    only where u falls within a few ulps of a running sum. Returns (the logits' maximum
+    (1,) f32: NaN or inf marks a fault, as ``_greedy``'s; the token (1,) int64)."""
+    k = min(SAMPLE_CANDIDATES, logits.shape[-1])
+    top, ids = logits[0].topk(k)  # (k,) largest first
+    kth = top.gather(0, knobs[4:5].long() - 1).double()  # (1,): the top_k-th largest
+    ids, order = ids.sort()  # token order, as the host's
+    values = top.double()[order]  # (k,)
+    # (no tensor made from a Python number: a capture allows no copy from the host)
+    keep = values >= kth
+    w = torch.where(keep, torch.exp(values - values.masked_fill(~keep, -math.inf).max()), 0.0)
+    probs = w / w.sum()
+    ranked = torch.sort(-probs, stable=True).indices  # by probability, ties by token
+    cut = torch.searchsorted(torch.cumsum(probs[ranked], 0), knobs[1:2]) + 1  # (1,)
+    within = torch.empty_like(keep).scatter_(
+        0, ranked, torch.arange(k, device=logits.device) < cut)  # the token crossing p stays
+    keep &= within & (probs >= knobs[2] * probs.max())
+    scaled = values / knobs[0]
+    w = torch.where(keep, torch.exp(scaled - scaled.masked_fill(~keep, -math.inf).max()), 0.0)
+    running = torch.cumsum(w / w.sum(), 0)
+    at = torch.searchsorted(running / running[-1], knobs[3:4], right=True).clamp_(max=k - 1)
+    return top[:1].float(), ids.gather(0, at)
 
 
 def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

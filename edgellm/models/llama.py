@@ -248,12 +248,28 @@ class Model:
         or dropping it), which takes that token back out. Raises ``NonFiniteLogits`` when a
         step's maximum logit is NaN or +inf (a NaN anywhere is the maximum of an argmax).
         """
-        from edgellm.generate import non_finite  # (edgellm.generate imports the models)
-
         graphs = getattr(self.backend, "graphs", None)
         steps = graphs.greedy(self, token, cache) if graphs is not None else None
-        if steps is None:
-            steps = self._greedy_on_host(token, cache)
+        yield from self._checked(steps or self._greedy_on_host(token, cache))
+
+    def sampled_tokens(self, token: int, cache: KVCache, params,
+                       rng: np.random.Generator) -> Iterator[int] | None:
+        """Decoding after ``token`` with ``params``' chain (top-k, top-p, min-p,
+        temperature) drawn on the device, one uniform of ``rng`` a token as the host's
+        sampler draws it: each step's token, for ever, one step ahead as
+        ``greedy_tokens``'. None where the backend cannot (no graphs; a chain that needs
+        the host: penalties, logit bias, top-k off or above the device's candidates), and
+        the caller samples on the host."""
+        graphs = getattr(self.backend, "graphs", None)
+        steps = graphs.sample(self, token, cache, params, rng) if graphs is not None else None
+        return self._checked(steps) if steps is not None else None
+
+    @staticmethod
+    def _checked(steps: Iterator[tuple[int, float]]) -> Iterator[int]:
+        """The tokens of (token, logit) steps; ``NonFiniteLogits`` at a step whose logit is
+        NaN or +inf. Closing it closes the steps."""
+        from edgellm.generate import non_finite  # (edgellm.generate imports the models)
+
         try:
             for step, (token, best) in enumerate(steps, 1):
                 if not math.isfinite(best):
