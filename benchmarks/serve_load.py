@@ -7,7 +7,8 @@
         -t 2 -np 8 -c 8192 --port 8091" --url http://127.0.0.1:8091 --label llama-server
 
 Each level starts C streaming ``/v1/completions`` requests at once (distinct prompts of about
-the same length, temperature 0, ``ignore_eos``, ``max_tokens`` tokens each) and reports:
+the same length, temperature 0 unless ``--temperature`` (then the server's other sampling
+defaults), ``ignore_eos``, ``max_tokens`` tokens each) and reports:
 aggregate decode tokens/s (every stream's tokens after its first, over the span from the
 earliest first token to the latest last one), its ratio to one stream, time to first token
 and inter-token latency (p50/p95 over all streams); ``--rounds R`` interleaves R runs of the
@@ -41,9 +42,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_stream(http: httpx.AsyncClient, url: str, model: str, prompt: str,
-                     max_tokens: int, headers: dict) -> dict:
+                     max_tokens: int, headers: dict, temperature: float = 0.0) -> dict:
     """One streaming completion: send time, each content chunk's arrival, token count."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": temperature,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     arrivals: list[float] = []
@@ -65,13 +67,14 @@ async def one_stream(http: httpx.AsyncClient, url: str, model: str, prompt: str,
 
 
 async def level(url: str, model: str, streams: int, max_tokens: int, headers: dict,
-                tag: str = "") -> dict:
+                tag: str = "", temperature: float = 0.0) -> dict:
     """C streams at once; the level's aggregate tokens/s and latencies. Prompts are
     "[C.i] ..." (with ``tag`` before the C): a server that reuses cached prefixes finds the
     same level's prompts again in a later round, as any client's repeated request would."""
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
         runs = await asyncio.gather(*[
-            one_stream(http, url, model, f"[{tag}{streams}.{i}] {TEXT}", max_tokens, headers)
+            one_stream(http, url, model, f"[{tag}{streams}.{i}] {TEXT}", max_tokens, headers,
+                       temperature)
             for i in range(streams)])
     firsts = [r["arrivals"][0] for r in runs if r["arrivals"]]
     lasts = [r["arrivals"][-1] for r in runs if r["arrivals"]]
@@ -133,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                         "level's median (a VM's speed drifts over minutes: a level measured "
                         "once, minutes after one stream, moves its ratio with the drift)")
     p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per stream")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--label", default=None, help="table title (default: the URL)")
     p.add_argument("--spawn", default=None, metavar="CMD",
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         levels = [int(x) for x in args.streams.split(",")]
         for c in levels * args.rounds:
-            rows.append(asyncio.run(level(args.url, args.model, c, args.max_tokens, headers)))
+            rows.append(asyncio.run(level(args.url, args.model, c, args.max_tokens, headers,
+                                          temperature=args.temperature)))
             print(f"streams={c}: {rows[-1]['decode_tps']:.1f} tok/s", file=sys.stderr)
     finally:
         if proc is not None:
