@@ -421,6 +421,39 @@ def test_sampled_tokens_on_the_device_equal_host_sampling(tmp_path, monkeypatch,
     assert drawn_on_device[len(chains):] == [(params, False) for params in host_only]
 
 
+def test_one_sequence_batches_replay_graphs_without_evicting(tmp_path, monkeypatch):
+    """Model.forward_batch of one sequence (an engine serving one user) runs through the
+    backend's graphs: the logits of the eager batch path, for a prompt chunk and decode
+    steps; a cache whose graphs would evict another live cache's runs eagerly instead, so
+    an engine's slots never capture again by turns."""
+    from edgellm.backends.torch import graphs as graphs_module
+    from edgellm.quants import Q
+
+    monkeypatch.setattr(graphs_module, "MAX_GRAPHS_PER_MODEL", 2)
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q.Q8_0, backend)
+    graphs = backend.graphs
+    steps = [[1, 5, 9, 200, 7], [3], [44], [8]]
+
+    def run(cache, use_graphs: bool):
+        backend.graphs = graphs if use_graphs else None
+        try:
+            return [net.forward_batch([(np.array(t), cache)], [True])[0] for t in steps]
+        finally:
+            backend.graphs = graphs
+
+    caches = [net.make_cache(64) for _ in range(3)]
+    eager = run(net.make_cache(64), False)
+    for cache in caches:
+        got = run(cache, True)
+        np.testing.assert_allclose(np.stack(got), np.stack(eager), rtol=1e-4, atol=1e-4)
+        assert [int(x.argmax()) for x in got] == [int(x.argmax()) for x in eager]
+    owners = [g.owner() for g in graphs._graphs[id(net)]]
+    assert owners == caches[:2]  # the third ran eagerly, evicting neither
+    assert net.forward_batch([(np.array([3]), caches[0]), (np.array([4]), caches[1])],
+                             [True, True])[0] is not None  # (two sequences: eagerly)
+
+
 def test_device_draw_equals_the_host_draw():
     """graphs._sample (top-k of the candidates, top-p, min-p, temperature, the draw by a
     uniform) picks the token the host's chain picks for the same uniform, on logits with

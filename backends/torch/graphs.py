@@ -210,12 +210,16 @@ class StepGraphs:
         # the warm-up's kernel tuning, reported as tune_s, excluded)
         self.captures = 0
 
-    def forward(self, model, tokens: np.ndarray, cache: KVCache) -> np.ndarray | None:
+    def forward(self, model, tokens: np.ndarray, cache: KVCache,
+                evict: bool = True) -> np.ndarray | None:
         """Logits (1, vocab) of the last of ``tokens``, as ``model.forward`` returns them;
-        None when the step cannot run as a graph (the caller then runs it eagerly)."""
+        None when the step cannot run as a graph (the caller then runs it eagerly).
+        ``evict`` False: a cache without graphs of its own gets them only while fewer than
+        MAX_GRAPHS_PER_MODEL are kept (an engine's many slots would otherwise evict each
+        other's and capture again at every switch)."""
         n = len(tokens)
         size = bucket_for(n)
-        g = self._graph_for(model, cache) if size is not None else None
+        g = self._graph_for(model, cache, evict) if size is not None else None
         if g is None or any(group.ring and n > group.slots for group in g.groups):
             return None  # (a slice longer than a ring: update_and_fetch drops some of it)
         b = self._launch(model, g, size, cache, tokens)
@@ -424,9 +428,10 @@ class StepGraphs:
             i64[_span_index(size, len(g.groups), gi)] = width - int(np.argmax(seen[::-1]))
 
     # -- graphs ----------------------------------------------------------------------------
-    def _graph_for(self, model, cache: KVCache) -> _Graph | None:
+    def _graph_for(self, model, cache: KVCache, evict: bool = True) -> _Graph | None:
         """The cache's graphs (adopted or new at its first step); None for a cache that
-        cannot run as graphs (``supported``: checked once, its layout never changes)."""
+        cannot run as graphs (``supported``: checked once, its layout never changes), or
+        (``evict`` False) that would need another's evicted."""
         graphs = self._graphs.setdefault(id(model), [])
         for g in graphs:  # every step but the first: no signature (~0.1 ms of host time)
             if g.owner() is cache:
@@ -439,6 +444,8 @@ class StepGraphs:
                 self._attach(g, cache)
                 return g
         if len(graphs) >= MAX_GRAPHS_PER_MODEL:
+            if not evict:
+                return None
             graphs.pop(0)
         g = self._new_graph(cache, sig)
         graphs.append(g)

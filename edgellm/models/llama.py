@@ -296,7 +296,10 @@ class Model:
         attention run per sequence, at its own positions against its own cache. Returns each
         sequence's logits (vocab,) for its last token, or None where ``want_logits`` says
         False. Every op's arithmetic is per token, so a sequence's logits are the ones
-        ``forward`` gives it alone, whatever else is in the batch.
+        ``forward`` gives it alone, whatever else is in the batch. A batch of one sequence
+        on a backend that replays graphs (a single user of the engine, the server's or the
+        C ABI's) takes them where its cache has or can have its own without evicting
+        another's (``StepGraphs.forward``'s ``evict``).
         """
         tokens = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in batch]
         caches = [cache for _, cache in batch]
@@ -313,6 +316,11 @@ class Model:
         if not batch:
             return []
         B = self.backend
+        graphs = getattr(B, "graphs", None)
+        if graphs is not None and len(batch) == 1:
+            logits = graphs.forward(self, tokens[0], caches[0], evict=False)
+            if logits is not None:
+                return [logits[-1] if want[0] else None]
         # every cache is checked (ContextOverflow) before any of them is written
         positions = np.concatenate([c.begin(len(t)) for t, c in zip(tokens, caches, strict=True)])
         bounds = np.cumsum([0, *map(len, tokens)])  # sequence j owns rows bounds[j]:bounds[j+1]
