@@ -17,7 +17,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests+plaintests llama bench pdl plainbench pdlprompt tune ab fusions ctx sampling profile prefill mem matvec sweep"}
+STEPS=${STEPS:-"tests+plaintests llama bench pdl plainbench pdlprompt tune ab fusions ctx sampling engine profile prefill mem matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -194,6 +194,12 @@ step_sampling() {  # the default chain drawn on the device (sampled_tokens) agai
     enough 60 "sampling" || return
     timeout "$(limit 150)" python3 benchmarks/sampling_ab.py "$LARGE" --backend torch \
         --tokens 128 2>&1 | tee -a "$LOGS/sampling.txt" | tail -n 5
+}
+
+step_engine() {  # one request at a time through the engine (the server's path): graphs or not
+    enough 60 "engine" || return
+    timeout "$(limit 150)" python3 benchmarks/engine_one_stream.py "$LARGE" --tokens 128 2>&1 \
+        | tee -a "$LOGS/engine.txt" | tail -n 2
 }
 
 step_profile() {  # kernels per prompt and decode step: the 1.5B's decode, Gemma's prefill

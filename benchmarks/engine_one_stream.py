@@ -1,0 +1,58 @@
+"""One request at a time through the engine (what ``edgellm serve``, the C ABI and
+``Model.complete`` run), with the backend's graphs and without them, in turns in one
+process: decode tokens/s after the first token, medians of the rounds.
+
+    python benchmarks/engine_one_stream.py MODEL.gguf [--backend torch] [--tokens 128]
+        [--rounds 3] [--temperature 0]
+
+Where the backend has no graphs (the CPU backend) both runs are the same path. Each request
+has its own prompt (no prefix reuse between runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import edgellm
+from edgellm.sampling import SamplingParams
+
+
+def one_stream(model, prompt: str, params: SamplingParams) -> float:
+    """Decode tokens/s of one completion through the engine, after its first token."""
+    times: list[float] = []
+    reply = model.complete(prompt, params, on_token=lambda event: times.append(
+        time.perf_counter()))
+    assert reply.error is None, reply.error
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    args = ap.parse_args()
+    model = edgellm.load(args.model, backend=args.backend)
+    graphs = getattr(model.backend, "graphs", None)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens,
+                            ignore_eos=True, seed=1)
+    speeds: dict[str, list[float]] = {"graphs": [], "eager": []}
+    one_stream(model, "warm-up: a haiku about caches", params)  # (captures, tuning)
+    for r in range(args.rounds):
+        for name in speeds:
+            model.backend.graphs = graphs if name == "graphs" else None
+            speeds[name].append(one_stream(model, f"[{r} {name}] Write a Python function "
+                                           "that parses a CSV file.", params))
+    model.backend.graphs = graphs
+    for name, values in speeds.items():
+        spread = " ".join(f"{v:.1f}" for v in values)
+        print(f"engine, one stream, {name}: {statistics.median(values):.1f} t/s ({spread})")
+    model.close()
+
+
+if __name__ == "__main__":
+    main()
