@@ -37,7 +37,10 @@ layers shorter than the slice run eagerly.
 Every graph also takes its logits' maximum and argmax, so greedy decoding (``greedy``) needs
 no logits on the host: the next step reads its token from the device, and is queued before
 this step's token is read back (one step ahead), so the host's work for a step (its books,
-the copies, the replay's launch) overlaps the GPU's work on the step before.
+the copies, the replay's launch) overlaps the GPU's work on the step before. Sampled
+decoding (``sample``) runs the same way, with a small graph of its own after each step's
+that draws the token from the 64 largest logits (``_sample``), a uniform from the host's
+generator a step.
 """
 
 from __future__ import annotations
