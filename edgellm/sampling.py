@@ -100,7 +100,8 @@ def logits_processor(params: SamplingParams) -> LogitsProcessor:
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution the sampler draws from: top-k, top-p, min-p, temperature (f64, sums to 1).
+    """The distribution the sampler draws from logits (vocab,): top-k, top-p, min-p,
+    temperature ((vocab,) f64, sums to 1).
 
     Speculative decoding needs this distribution itself (p and q), not just a draw from it.
     """
