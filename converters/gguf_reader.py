@@ -111,6 +111,26 @@ class StringArray(Sequence[str]):
     def __iter__(self) -> Iterator[str]:
         return (self[i] for i in range(len(self)))
 
+    def first_difference(self, other: StringArray, n: int) -> int | None:
+        """The first of items 0..n whose bytes differ between self and other, or None: their
+        lengths and bytes compared as arrays (a vocabulary of 152k tokens item by item took
+        0.6 s, decoding each)."""
+        lengths = [a._lengths[:n].astype(np.int64) for a in (self, other)]
+        differs = np.flatnonzero(lengths[0] != lengths[1])
+        n = int(differs[0]) if differs.size else n  # (the bytes before it line up)
+        mine, theirs = (a._item_bytes(n) for a in (self, other))
+        byte = np.flatnonzero(mine != theirs)
+        if byte.size:  # the item holding the first differing byte
+            return int(np.searchsorted(np.cumsum(lengths[0][:n]), byte[0], side="right"))
+        return n if differs.size else None
+
+    def _item_bytes(self, n: int) -> np.ndarray:
+        """Items 0..n's bytes, concatenated: (sum of their lengths,) uint8."""
+        lengths = self._lengths[:n].astype(np.int64)
+        before = np.cumsum(lengths) - lengths  # each item's place in the concatenation
+        at = np.repeat(self._starts[:n].astype(np.int64) - before, lengths)
+        return np.frombuffer(self._blob, np.uint8)[at + np.arange(at.size)]
+
     def __eq__(self, other) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, str | bytes):
             return NotImplemented

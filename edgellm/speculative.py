@@ -122,7 +122,10 @@ def check_same_vocabulary(target: Model, draft: Model) -> None:
     """Refuse a draft whose tokenizer differs from the target's (padding rows are allowed)."""
     t_tokens, d_tokens = target.tokenizer.tokens, draft.tokenizer.tokens
     n = min(len(t_tokens), len(d_tokens))
-    mismatch = next((i for i in range(n) if t_tokens[i] != d_tokens[i]), None)
+    if hasattr(t_tokens, "first_difference"):  # (a Vocabulary: the file's bytes at once)
+        mismatch = t_tokens.first_difference(d_tokens, n)
+    else:
+        mismatch = next((i for i in range(n) if t_tokens[i] != d_tokens[i]), None)
     extra = list(t_tokens[n:]) + list(d_tokens[n:])
     padding = all(str(t).startswith(("[PAD", "<pad", "<|PAD", "<unused")) for t in extra)
     if mismatch is not None or not padding:

@@ -151,6 +151,15 @@ class Vocabulary(Sequence[str]):
     def __iter__(self) -> Iterator[str]:
         return (self[i] for i in range(len(self)))
 
+    def first_difference(self, other: Sequence[str], n: int) -> int | None:
+        """The first id below n whose text differs between self and other, or None: at once
+        where both keep the file's bytes (``StringArray.first_difference``), else text by
+        text."""
+        mine, theirs = self._texts, getattr(other, "_texts", None)
+        if hasattr(mine, "first_difference") and type(theirs) is type(mine):
+            return mine.first_difference(theirs, n)
+        return next((i for i in range(n) if self[i] != other[i]), None)
+
     def id_of(self, text: str) -> int | None:
         """The id of a token's text, or None."""
         h = hash(text)

@@ -135,6 +135,50 @@ def test_tokenizer_mismatch_is_refused_and_padding_accepted():
         check_same_vocabulary(fake(["a", "b"]), fake(["a", "b", "c"]))
 
 
+def _string_array(texts, gap=b"") -> object:
+    """A StringArray over texts laid out with ``gap`` before each (the file puts a length)."""
+    from edgellm.converters.gguf_reader import StringArray
+
+    blob, starts, lengths = b"", [], []
+    for text in texts:
+        raw = text.encode()
+        blob += gap
+        starts.append(len(blob))
+        lengths.append(len(raw))
+        blob += raw
+    return StringArray(blob, np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64))
+
+
+def test_vocabularies_are_compared_at_once_as_text_by_text():
+    """StringArray.first_difference (the draft's tokenizer check, on the files' bytes at
+    once) finds the first differing item the text-by-text loop finds: a changed byte, a
+    changed length, a multi-byte character, none, a difference past n, other layouts."""
+    from edgellm.tokenizer import Vocabulary
+
+    rng = np.random.default_rng(0)
+    base = ["".join(rng.choice(list("abcé€ "), size=int(rng.integers(0, 6)))) for _ in range(300)]
+    for where, new in [(None, None), (0, "zz"), (137, "x"), (299, "é")]:
+        other = list(base)
+        if where is not None:
+            other[where] = base[where] + new if where % 2 else new  # longer, or replaced
+        for n in (300, 137, 100):
+            a, b = _string_array(base, b"\0" * 8), _string_array(other, b"\1\2")
+            want = next((i for i in range(n) if base[i] != other[i]), None)
+            assert a.first_difference(b, n) == want
+            assert Vocabulary(a).first_difference(Vocabulary(b), n) == want
+    for where, keep in [(50, 0), (51, 1), (52, 2)]:  # a byte at an item's start, or later
+        other = list(base)  # (an ASCII character replaced by another: the same lengths)
+        while len(other[where]) <= keep or other[where][keep] not in "abc ":
+            where += 1
+        other[where] = other[where][:keep] + "q" + other[where][keep + 1:]
+        want = next(i for i in range(300) if base[i] != other[i])
+        assert _string_array(base).first_difference(_string_array(other), 300) == want
+    swapped = list(base)
+    swapped[5], swapped[6] = "ab", "c"  # the same bytes in all, split differently
+    base[5], base[6] = "a", "bc"
+    assert _string_array(base).first_difference(_string_array(swapped), 300) == 5
+
+
 def test_ngram_lookup_continues_the_latest_match():
     drafter = NgramDrafter(max_n=3)
     assert drafter.lookup([5, 6, 7, 8, 9, 1, 6, 7], 3) == [8, 9, 1]
