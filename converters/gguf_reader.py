@@ -114,7 +114,7 @@ class StringArray(Sequence[str]):
     def first_difference(self, other: StringArray, n: int) -> int | None:
         """The first of items 0..n whose bytes differ between self and other, or None: their
         lengths and bytes compared as arrays (a vocabulary of 152k tokens item by item took
-        0.6 s, decoding each)."""
+        0.22 s, decoding each)."""
         lengths = [a._lengths[:n].astype(np.int64) for a in (self, other)]
         differs = np.flatnonzero(lengths[0] != lengths[1])
         n = int(differs[0]) if differs.size else n  # (the bytes before it line up)

@@ -131,8 +131,9 @@ def _in_play(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np
     else:
         ids = np.arange(n)
     kept = logits[ids].astype(np.float64)
-    probs = _normalized(np.exp(kept - kept.max()), ids, n)
     keep = np.ones(ids.shape, dtype=bool)
+    if params.top_p < 1.0 or params.min_p > 0.0:  # (their cut-offs read T=1 probabilities)
+        probs = _normalized(np.exp(kept - kept.max()), ids, n)
     if params.top_p < 1.0:
         order = np.argsort(-probs, kind="stable")  # (ids ascending: ties as a full sort)
         cut = int(np.searchsorted(np.cumsum(probs[order]), params.top_p)) + 1

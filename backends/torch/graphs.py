@@ -127,7 +127,7 @@ class _HostSet:
     i64: torch.Tensor  # tokens (B), positions (B), last row (1), slots (B) per group,
     # then each group's mask span (1: the columns up to the last one any row sees)
     masks: torch.Tensor  # every group's (B, T) mask, flattened and concatenated
-    best_id: torch.Tensor | None = None  # (1,) int64: the argmax read back (greedy steps)
+    best_id: torch.Tensor | None = None  # (1,) int64: the token read back (decode steps)
     best_logit: torch.Tensor | None = None  # (1,) float32: its logit (NaN/inf: a fault)
     done: torch.cuda.Event | None = None  # recorded after the read-back (on a GPU)
     knobs: torch.Tensor | None = None  # (5,) float64: a sampled step's (``_sample``)
@@ -254,7 +254,7 @@ class StepGraphs:
         g = self._graph_for(model, cache)
         if g is None:
             return None
-        return self._greedy_steps(model, g, token, cache)
+        return self._decode_steps(model, g, token, cache)
 
     def sample(self, model, token: int, cache: KVCache, params,
                rng: np.random.Generator) -> Iterator[tuple[int, float]] | None:
@@ -268,11 +268,11 @@ class StepGraphs:
         g = self._graph_for(model, cache) if samplable(params, model.args.vocab_size) else None
         if g is None:
             return None
-        return self._greedy_steps(model, g, token, cache, _Draw(params, rng))
+        return self._decode_steps(model, g, token, cache, _Draw(params, rng))
 
-    def _greedy_steps(self, model, g: _Graph, token: int, cache: KVCache,
+    def _decode_steps(self, model, g: _Graph, token: int, cache: KVCache,
                       draw: _Draw | None = None):
-        current = self._greedy_launch(model, g, cache, np.array([token], dtype=np.int64),
+        current = self._queue_decode(model, g, cache, np.array([token], dtype=np.int64),
                                       draw)
         ahead = None
         try:
@@ -280,18 +280,18 @@ class StepGraphs:
                 # (fits(2): the last free slot is left to a token read back, so a caller that
                 # stops when the cache cannot take one more stops where it would without this)
                 if cache.fits(2) and cache.max_trim() >= 1:
-                    ahead = self._greedy_launch(model, g, cache, None, draw)
+                    ahead = self._queue_decode(model, g, cache, None, draw)
                 token, logit = self._read_back(current)
                 yield token, logit
                 if ahead is None:
-                    ahead = self._greedy_launch(model, g, cache, np.array([token]), draw)
+                    ahead = self._queue_decode(model, g, cache, np.array([token]), draw)
                 current, ahead = ahead, None
         finally:
             if ahead is not None:  # queued but never yielded
                 self._read_back(ahead)
                 cache.trim(1)
 
-    def _greedy_launch(self, model, g: _Graph, cache: KVCache, tokens: np.ndarray | None,
+    def _queue_decode(self, model, g: _Graph, cache: KVCache, tokens: np.ndarray | None,
                        draw: _Draw | None = None) -> _HostSet:
         """Queue one decode step (its token from the host, or None: the previous step's
         token on the device) and the read-back of its token: the argmax, or (``draw``) the
@@ -388,15 +388,22 @@ class StepGraphs:
 
     def _capture_sampler(self, b: _Bucket) -> torch.cuda.CUDAGraph:
         """``_sample`` over b's (static) logits and knobs as a graph, after a warm-up."""
+        graph, b.sampled = self._record(lambda: _sample(b.logits, b.dev_knobs),
+                                        lambda: _sample(b.logits, b.dev_knobs))
+        return graph
+
+    def _record(self, warm_up, work) -> tuple[torch.cuda.CUDAGraph, object]:
+        """``warm_up()`` on the side stream, then ``work()`` captured there as a graph in the
+        shared pool: (the graph, what work returned: its static outputs)."""
         side = self._stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            _sample(b.logits, b.dev_knobs)
+            warm_up()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=side):
-            b.sampled = _sample(b.logits, b.dev_knobs)
-        return graph
+            out = work()
+        return graph, out
 
     # -- host books ------------------------------------------------------------------------
     def _advance(self, g: _Graph, b: _Bucket, cache: KVCache, tokens: np.ndarray,
@@ -533,18 +540,15 @@ class StepGraphs:
         """Warm up on a side stream (``_warm_up``: the cache as it was after), then capture
         one step (a capture runs nothing)."""
         start, tuned = time.perf_counter(), self.backend.tuning_seconds()
-        side = self._stream
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._warm_up(model, b)
-        torch.cuda.current_stream().wait_stream(side)
-        self.backend._rope_memo = (None, {})  # tables must be computed inside the graph
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side):
-            b.logits = _step(model, *b.inputs)
-            b.best_logit, b.best_id = _greedy(b.logits)
+
+        def step():
+            self.backend._rope_memo = (None, {})  # tables must be computed inside the graph
+            logits = _step(model, *b.inputs)
+            return logits, _greedy(logits)
+
+        b.graph, (b.logits, (b.best_logit, b.best_id)) = self._record(
+            lambda: self._warm_up(model, b), step)
         self.backend._rope_memo = (None, {})
-        b.graph = graph
         torch.cuda.synchronize()
         # kernel variants timed during the warm-up are the tuning's time (``tune_s``)
         tuning = self.backend.tuning_seconds() - tuned

@@ -682,22 +682,16 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
     splits of the smallest power of two of at least BT slots that makes at most
     MAX_SPLITS of them (``_split_slots``), so the same slots used split alike over any
     storage; the grid's programs past them return at once. SPLIT: that size where it is
-    the same for every count up to T (a constant: one tile a split, as compiled before
-    the span), else 0."""
+    the same for every count up to T (a constant, as compiled before the span), else 0."""
     _await_inputs(PDL)
     tok = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     used = tl.load(span_ptr).to(tl.int32) if SPAN else T
-    if SPLIT:
-        first = sp * SPLIT
-        last = first + SPLIT
-        n_splits = tl.cdiv(used, SPLIT)
-    else:
-        split = _split_slots(used, BT, MAX_SPLITS)
-        first = sp * split
-        last = first + split
-        n_splits = tl.cdiv(used, split)
+    split = SPLIT if SPLIT else _split_slots(used, BT, MAX_SPLITS)
+    first = sp * split
+    last = first + split
+    n_splits = tl.cdiv(used, split)
     if sp >= n_splits:
         return
     kvh = h // G
