@@ -17,7 +17,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests+plaintests llama bench pdl plainbench pdlprompt tune ab fusions ctx sampling engine profile prefill mem matvec sweep"}
+STEPS=${STEPS:-"tests+plaintests llama bench pipeline pdl plainbench pdlprompt tune ab fusions ctx sampling engine profile prefill mem matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -172,6 +172,8 @@ step_pdl() {
 step_pdlprompt() { prompt_ab EDGELLM_PDL "${PDL_ORDER:-0 2 0 2}" "$GEMMA"; }
 # decode: the tiles the card chose (the `bench` step saved them) against the defaults
 step_tune() { decode_ab EDGELLM_TUNE "${TUNE_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
+# decode: the mat-vecs loading each step a step ahead (kernels._qmv_rows) or not
+step_pipeline() { decode_ab EDGELLM_MATVEC_PIPELINE "${PIPELINE_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
 # decode: launch fusions off/on; host vs device argmax
 step_ab() { decode_ab EDGELLM_FUSE_LAUNCHES "${AB_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
 # decode: each of the newest fusions off alone (backend.FUSIONS), against all on (",")

@@ -12,7 +12,8 @@
 
 Run it under EDGELLM_FUSE_LAUNCHES=0 and =1 (alternating processes) to see the launch
 fusions' share, EDGELLM_UNFUSE=glu (etc.: backend.FUSIONS) for one fusion's, or
-EDGELLM_TUNE=0 and =1 for the tuned tiles' (backends/torch/tuning.py). ``--pdl 0,1,2``:
+EDGELLM_TUNE=0 and =1 for the tuned tiles' (backends/torch/tuning.py), or
+EDGELLM_MATVEC_PIPELINE=0 and =1 for the mat-vecs' loads a step ahead. ``--pdl 0,1,2``:
 programmatic dependent launches' share (``kernels._pdl``), in this one process: each mode
 captures its own graphs and the modes take turns within every round. ``--ctx N``: a cache of N
 slots (default: the steps + 16, as ``edgellm bench``): a graph attends over its cache's
@@ -101,12 +102,13 @@ def main() -> None:
             rates[mode]["replay"].append(_replay_rate(model, net, args.steps))
     fuse = os.environ.get("EDGELLM_FUSE_LAUNCHES", "1")
     tune = os.environ.get("EDGELLM_TUNE", "1")
+    pipeline = int(model.backend.kernels.matvec_pipeline(1))
     unfused = ",".join(sorted(model.backend.unfused)) or "-"
     for mode in modes:
         pdl = mode if mode is not None else model.backend.kernels._pdl(
             torch.device("cuda", torch.cuda.current_device()))
         print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune} "
-              f"unfused={unfused} pdl={pdl} ctx={slots}: " + ", ".join(
+              f"unfused={unfused} pipeline={pipeline} pdl={pdl} ctx={slots}: " + ", ".join(
             f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
             for name, r in rates[mode].items()))
 

@@ -107,6 +107,43 @@ def test_qmatvec_split_k(qtype):
     assert all(not c.any() for c in kernels._split_counters.values())
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [1, 3])
+def test_pipelined_matvecs_equal_the_plain_loop(qtype, n, monkeypatch):
+    """Rows of several steps (20 chunks: 8, 8 and 4 of them; 19.5 for 32-blocks) with each
+    step's loads issued a step ahead (``_qmv_rows``: a lone token's, with its activations;
+    3 tokens run the plain loop either way), against the product and, bit for bit, against
+    the same kernels loading a step and then summing it (EDGELLM_MATVEC_PIPELINE=0): the
+    mat-vec, with K split and not, and the gate+up GLU. A pipeline that summed a step with
+    another step's weights or activations, or dropped one, fails."""
+    from edgellm.backends.torch.packing import stack_rows
+
+    cols = 1280 if qtype in K_QUANTS else 1248
+    tensor = random_tensor(qtype, 26, cols, seed=n)
+    w = dequantize(tensor.data, qtype).reshape(26, cols)
+    p = uploaded(tensor, 26, cols)
+    x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
+    xq, xd = kernels.quantize_activations(t(x), 256 if qtype in K_QUANTS else 32, p.padded)
+    halves = [uploaded(random_tensor(qtype, 13, cols, seed=n + i), 13, cols)
+              for i in range(2)]
+    stacked, _ = stack_rows(halves, torch.cat)
+
+    def run() -> list:
+        whole = kernels._qmatvec(xq, xd, p, None, (16, 8, 4, 0))
+        split = kernels._qmatvec(xq, xd, p, None, (8, 4, 4, 2))  # 2 splits: 3, 2 steps
+        glu, blocks = kernels.qmatvec_glu(xq, xd, stacked, False)
+        return [whole, split, glu, *[b for size in sorted(blocks) for b in blocks[size]]]
+
+    pipelined = run()
+    want = round_activations_like_ggml(x, qtype) @ w.T
+    for got in pipelined[:2]:
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("EDGELLM_MATVEC_PIPELINE", "0")
+    plain = run()
+    assert all(torch.equal(a, b) for a, b in zip(pipelined, plain, strict=True))
+    assert all(not c.any() for c in kernels._split_counters.values())
+
+
 @pytest.mark.parametrize("qtype,rows,cols", [(Q.Q4_K, 5, 1536), (Q.Q5_0, 9, 640),
                                              (Q.Q6_K, 3, 4096)], ids=["q4k", "q50", "q6k-split"])
 def test_every_matvec_candidate_computes_the_product(qtype, rows, cols, monkeypatch):

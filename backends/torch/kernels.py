@@ -67,29 +67,57 @@ def _group_scales(s_ptr, m_ptr, d_ptr, dm_ptr, r, c, sub, mk, ng, nsup, KIND: tl
     """Scale and offset of the weight groups of chunks c in rows r, for each chunk's low and
     high 32 weights: (s_lo, s_hi, o_lo, o_hi). r, c and sub (which 16 of a half: Q6_K's
     groups) broadcast to the caller's tile; mk masks rows and chunks."""
+    return _scales_of(*_scale_loads(s_ptr, m_ptr, d_ptr, dm_ptr, r, c, sub, mk, ng, nsup,
+                                    KIND), KIND)
+
+
+@triton.jit
+def _scale_loads(s_ptr, m_ptr, d_ptr, dm_ptr, r, c, sub, mk, ng, nsup, KIND: tl.constexpr):
+    """``_group_scales``' loads alone, nothing computed from them (a pipelined mat-vec
+    issues them a step ahead: arithmetic on a load would wait for it there): the planes'
+    values (a_lo, a_hi, b_lo, b_hi, dd, dmin) as ``_scales_of`` reads them, 0 where KIND
+    has no such plane."""
+    b_lo, b_hi, dd, dmin = 0, 0, 0, 0
+    if KIND == 7:  # Q6_K: a scale per 16 weights
+        a_lo = tl.load(s_ptr + r * (2 * ng) + c * 4 + sub, mask=mk, other=0)
+        a_hi = tl.load(s_ptr + r * (2 * ng) + c * 4 + 2 + sub, mask=mk, other=0)
+    else:  # per 32
+        a_lo = tl.load(s_ptr + r * ng + c * 2, mask=mk, other=0)
+        a_hi = tl.load(s_ptr + r * ng + c * 2 + 1, mask=mk, other=0)
+    if KIND == 2 or KIND == 4 or KIND == 5 or KIND == 6:  # offsets (K-quants: mins)
+        b_lo = tl.load(m_ptr + r * ng + c * 2, mask=mk, other=0)
+        b_hi = tl.load(m_ptr + r * ng + c * 2 + 1, mask=mk, other=0)
+    if KIND >= 5:  # K-quants: a super-block's d (and dmin)
+        dd = tl.load(d_ptr + r * nsup + c // 4, mask=mk, other=0)
+        if KIND != 7:
+            dmin = tl.load(dm_ptr + r * nsup + c // 4, mask=mk, other=0)
+    return a_lo, a_hi, b_lo, b_hi, dd, dmin
+
+
+@triton.jit
+def _scales_of(a_lo, a_hi, b_lo, b_hi, dd, dmin, KIND: tl.constexpr):
+    """(s_lo, s_hi, o_lo, o_hi) f32 from ``_scale_loads``' values."""
     if KIND <= 4:  # d (and m) per 32
-        s_lo = tl.load(s_ptr + r * ng + c * 2, mask=mk, other=0).to(tl.float32)
-        s_hi = tl.load(s_ptr + r * ng + c * 2 + 1, mask=mk, other=0).to(tl.float32)
+        s_lo = a_lo.to(tl.float32)
+        s_hi = a_hi.to(tl.float32)
         if KIND == 2 or KIND == 4:
-            o_lo = tl.load(m_ptr + r * ng + c * 2, mask=mk, other=0).to(tl.float32)
-            o_hi = tl.load(m_ptr + r * ng + c * 2 + 1, mask=mk, other=0).to(tl.float32)
+            o_lo = b_lo.to(tl.float32)
+            o_hi = b_hi.to(tl.float32)
         else:
             unit = -128.0 if KIND == 0 else (-8.0 if KIND == 1 else -16.0)
             o_lo = s_lo * unit
             o_hi = s_hi * unit
     elif KIND == 5 or KIND == 6:  # Q4_K / Q5_K: d * sc, -dmin * m
-        dd = tl.load(d_ptr + r * nsup + c // 4, mask=mk, other=0).to(tl.float32)
-        dmin = tl.load(dm_ptr + r * nsup + c // 4, mask=mk, other=0).to(tl.float32)
-        s_lo = dd * tl.load(s_ptr + r * ng + c * 2, mask=mk, other=0).to(tl.float32)
-        s_hi = dd * tl.load(s_ptr + r * ng + c * 2 + 1, mask=mk, other=0).to(tl.float32)
-        o_lo = -(dmin * tl.load(m_ptr + r * ng + c * 2, mask=mk, other=0).to(tl.float32))
-        o_hi = -(dmin * tl.load(m_ptr + r * ng + c * 2 + 1, mask=mk, other=0).to(tl.float32))
+        d = dd.to(tl.float32)
+        dm = dmin.to(tl.float32)
+        s_lo = d * a_lo.to(tl.float32)
+        s_hi = d * a_hi.to(tl.float32)
+        o_lo = -(dm * b_lo.to(tl.float32))
+        o_hi = -(dm * b_hi.to(tl.float32))
     else:  # Q6_K: d * sc per 16 weights, offset -32 units
-        dd = tl.load(d_ptr + r * nsup + c // 4, mask=mk, other=0).to(tl.float32)
-        s_lo = dd * tl.load(s_ptr + r * (2 * ng) + c * 4 + sub, mask=mk,
-                            other=0).to(tl.float32)
-        s_hi = dd * tl.load(s_ptr + r * (2 * ng) + c * 4 + 2 + sub, mask=mk,
-                            other=0).to(tl.float32)
+        d = dd.to(tl.float32)
+        s_lo = d * a_lo.to(tl.float32)
+        s_hi = d * a_hi.to(tl.float32)
         o_lo = s_lo * -32.0
         o_hi = s_hi * -32.0
     return s_lo, s_hi, o_lo, o_hi
@@ -157,68 +185,150 @@ def _spread_bits(h, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0,
-              c_end, KW, nqw, ng, nsup, M: tl.constexpr, MP: tl.constexpr,
-              KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr):
-    """x @ W.T's sums over chunks c0.. (CH of them, up to c_end) for rows (BN,): (BN, MP).
-    Per 16 weights of a row (a quarter chunk: 4 words of u bytes), integer dot products
-    with dp4a; then per group xd * (scale * sum(u q) + offset * sum(q)). Tiles are (BN
-    rows, CH chunks, 2 sixteens per half chunk, 4 words)."""
+def _qmv_loads(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0, c_end, nqw, ng,
+               nsup, KIND: tl.constexpr, CH: tl.constexpr):
+    """The loads of one step of a mat-vec (``_qmv_sums``' weights: chunks c0.., CH of them
+    up to c_end, of rows (BN,)) and nothing computed from them: (w_lo, w_hi, h_lo, h_hi,
+    a_lo, a_hi, b_lo, b_hi, dd, dmin). A tile of (BN rows, CH chunks, 2 sixteens per half
+    chunk, 4 words) of u bytes, the high bits' words, the scales' planes
+    (``_scale_loads``); 0 where KIND has none."""
     r = rows.to(tl.int64)[:, None, None, None]
     sub = tl.arange(0, 2)[None, None, :, None]
     jj = tl.arange(0, 4)[None, None, None, :]
     word = sub * 4 + jj  # word of its half chunk (8 words: 32 weights)
-    xsub = tl.arange(0, 2)[None, :, None]
-    xj = tl.arange(0, 4)[None, None, :]
-    ones = tl.full((1, CH, 2, 4), 0x01010101, tl.int32)  # dp4a with it: sums of q
-    zero_x = tl.zeros((1, CH, 2, 4), tl.int32)
-    zero = tl.zeros((BN, CH, 2, 4), tl.int32)
-    r3 = rows.to(tl.int64)[:, None, None]  # the scales' (BN, CH, 2) indexing
-    s3 = tl.arange(0, 2)[None, None, :]
-    mcol = tl.arange(0, MP)
-    acc = tl.zeros((BN, MP), dtype=tl.float32)
     c = c0 + tl.arange(0, CH)
     cmask = c < c_end
     cc = c[None, :, None, None]
     mk = rmask[:, None, None, None] & cmask[None, :, None, None]
+    h_lo, h_hi = 0, 0
     if KIND == 0:  # Q8_0: a byte per weight, 16 words a chunk
         w_lo = tl.load(q_ptr + r * nqw + cc * 16 + word, mask=mk, other=0)
         w_hi = tl.load(q_ptr + r * nqw + cc * 16 + 8 + word, mask=mk, other=0)
-    else:  # nibbles: byte i of a chunk holds weights i and 32 + i
-        w = tl.load(q_ptr + r * nqw + cc * 8 + word, mask=mk, other=0)
-        w_lo = w & 0x0F0F0F0F
-        w_hi = (w >> 4) & 0x0F0F0F0F
+    else:  # nibbles: byte i of a chunk holds weights i and 32 + i (split by _qmv_sums)
+        w_lo = tl.load(q_ptr + r * nqw + cc * 8 + word, mask=mk, other=0)
+        w_hi = w_lo
     if KIND == 3 or KIND == 4 or KIND == 6:  # a fifth bit, a word per 32 weights
         h_lo = tl.load(qh_ptr + r * ng + cc * 2, mask=mk, other=0)
         h_hi = tl.load(qh_ptr + r * ng + cc * 2 + 1, mask=mk, other=0)
-        w_lo = w_lo | _spread_bits(h_lo >> (4 * word), 1)
-        w_hi = w_hi | _spread_bits(h_hi >> (4 * word), 1)
     if KIND == 7:  # Q6_K: two more bits, a word per 16 weights
         h_lo = tl.load(qh_ptr + r * (2 * ng) + cc * 4 + sub, mask=mk, other=0)
         h_hi = tl.load(qh_ptr + r * (2 * ng) + cc * 4 + 2 + sub, mask=mk, other=0)
+    # per-group scales, (BN, CH, 1) or, per sixteen (Q6_K), (BN, CH, 2)
+    a_lo, a_hi, b_lo, b_hi, dd, dmin = _scale_loads(
+        s_ptr, m_ptr, d_ptr, dm_ptr, rows.to(tl.int64)[:, None, None], c[None, :, None],
+        tl.arange(0, 2)[None, None, :], rmask[:, None, None] & cmask[None, :, None], ng,
+        nsup, KIND)
+    return w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin
+
+
+@triton.jit
+def _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x0_lo, x0_hi, xd0,
+              xq_ptr, xd_ptr, c0, c_end, KW, M: tl.constexpr, MP: tl.constexpr,
+              KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr):
+    """x @ W.T's sums over the chunks of one ``_qmv_loads`` step: (BN, MP). Per 16
+    weights of a row (a quarter chunk: 4 words of u bytes), integer dot products with
+    dp4a; then per group xd * (scale * sum(u q) + offset * sum(q)). A single token's
+    activations come loaded (x0_lo, x0_hi, xd0: ``_qmv_x``); more tokens' are loaded
+    here."""
+    sub = tl.arange(0, 2)[None, None, :, None]
+    jj = tl.arange(0, 4)[None, None, None, :]
+    word = sub * 4 + jj
+    if KIND != 0:
+        w_lo = w_lo & 0x0F0F0F0F
+        w_hi = (w_hi >> 4) & 0x0F0F0F0F
+    if KIND == 3 or KIND == 4 or KIND == 6:
+        w_lo = w_lo | _spread_bits(h_lo >> (4 * word), 1)
+        w_hi = w_hi | _spread_bits(h_hi >> (4 * word), 1)
+    if KIND == 7:
         w_lo = w_lo | _spread_bits(h_lo >> (8 * jj), 2)
         w_hi = w_hi | _spread_bits(h_hi >> (8 * jj), 2)
-    # per-group scale and offset, (BN, CH, 1) or, per sixteen (Q6_K), (BN, CH, 2)
-    s_lo, s_hi, o_lo, o_hi = _group_scales(
-        s_ptr, m_ptr, d_ptr, dm_ptr, r3, c[None, :, None], s3,
-        rmask[:, None, None] & cmask[None, :, None], ng, nsup, KIND)
-    xmask = cmask[:, None, None]
+    s_lo, s_hi, o_lo, o_hi = _scales_of(a_lo, a_hi, b_lo, b_hi, dd, dmin, KIND)
+    ones = tl.full((1, CH, 2, 4), 0x01010101, tl.int32)  # dp4a with it: sums of q
+    zero_x = tl.zeros((1, CH, 2, 4), tl.int32)
+    zero = tl.zeros((BN, CH, 2, 4), tl.int32)
+    mcol = tl.arange(0, MP)
+    acc = tl.zeros((BN, MP), dtype=tl.float32)
     for m in tl.static_range(M):
-        xc = xq_ptr + m * KW + c[:, None, None] * 16 + xsub * 4 + xj  # (CH, 2, 4)
-        x_lo = tl.load(xc, mask=xmask, other=0)
-        x_hi = tl.load(xc + 8, mask=xmask, other=0)
+        if M == 1:
+            x_lo, x_hi, xd = x0_lo, x0_hi, xd0
+        else:
+            x_lo, x_hi, xd = _qmv_x(xq_ptr, xd_ptr, m, c0, c_end, KW, CH)
         i_lo = tl.sum(_dp4a(w_lo, tl.broadcast_to(x_lo[None], (BN, CH, 2, 4)), zero,
                             INTERP), axis=3).to(tl.float32)  # (BN, CH, 2)
         i_hi = tl.sum(_dp4a(w_hi, tl.broadcast_to(x_hi[None], (BN, CH, 2, 4)), zero,
                             INTERP), axis=3).to(tl.float32)
         q_lo = tl.sum(_dp4a(ones, x_lo[None], zero_x, INTERP), axis=3).to(tl.float32)
         q_hi = tl.sum(_dp4a(ones, x_hi[None], zero_x, INTERP), axis=3).to(tl.float32)
-        xd_lo = tl.load(xd_ptr + m * (KW // 8) + c * 2, mask=cmask, other=0.0)
-        xd_hi = tl.load(xd_ptr + m * (KW // 8) + c * 2 + 1, mask=cmask, other=0.0)
+        xd_lo, xd_hi = tl.split(xd)
         part = (xd_lo[None, :, None] * (s_lo * i_lo + o_lo * q_lo)
                 + xd_hi[None, :, None] * (s_hi * i_hi + o_hi * q_hi))
         part = tl.sum(tl.sum(part, axis=2), axis=1)  # (BN,)
         acc += tl.where(mcol[None, :] == m, part[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _qmv_x(xq_ptr, xd_ptr, m, c0, c_end, KW, CH: tl.constexpr):
+    """Token m's activations over chunks c0.. (CH, up to c_end): words (CH, 2, 4) of each
+    chunk's low and high 32 values, and their two scales (CH, 2)."""
+    c = c0 + tl.arange(0, CH)
+    cmask = c < c_end
+    xc = (xq_ptr + m * KW + c[:, None, None] * 16 + tl.arange(0, 2)[None, :, None] * 4
+          + tl.arange(0, 4)[None, None, :])  # (CH, 2, 4)
+    x_lo = tl.load(xc, mask=cmask[:, None, None], other=0)
+    x_hi = tl.load(xc + 8, mask=cmask[:, None, None], other=0)
+    xd = tl.load(xd_ptr + m * (KW // 8) + c[:, None] * 2 + tl.arange(0, 2)[None, :],
+                 mask=cmask[:, None], other=0.0)
+    return x_lo, x_hi, xd
+
+
+@triton.jit
+def _qmv_x1(xq_ptr, xd_ptr, c0, c_end, KW, M: tl.constexpr, CH: tl.constexpr):
+    """A lone token's ``_qmv_x`` (decode: loaded with the weights, a step ahead); with more
+    tokens 0s (``_qmv_sums`` loads theirs)."""
+    if M == 1:
+        return _qmv_x(xq_ptr, xd_ptr, 0, c0, c_end, KW, CH)
+    else:
+        return 0, 0, 0
+
+
+@triton.jit
+def _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c_start,
+              c_end, KW, nqw, ng, nsup, M: tl.constexpr, MP: tl.constexpr,
+              KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr,
+              PIPELINE: tl.constexpr):
+    """x @ W.T's sums over chunks c_start..c_end of rows (BN,): (BN, MP), CH chunks a step.
+    PIPELINE: each step's loads (``_qmv_loads``, and ``_qmv_x1``) are issued before the
+    step before is summed, so a program waits for memory about once, not once a step (a
+    step's reductions synchronize the program's warps, and loads issued after them wait
+    for them); the last step's loads past c_end are masked off (no memory is read).
+    Else the loads of a step, then its sums (``matvec_pipeline``)."""
+    acc = tl.zeros((BN, MP), dtype=tl.float32)
+    if PIPELINE:
+        w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = _qmv_loads(
+            q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c_start, c_end, nqw, ng,
+            nsup, KIND, CH)
+        x_lo, x_hi, xd = _qmv_x1(xq_ptr, xd_ptr, c_start, c_end, KW, M, CH)
+        for c0 in range(c_start, c_end, CH):
+            n_w_lo, n_w_hi, n_h_lo, n_h_hi, n_a_lo, n_a_hi, n_b_lo, n_b_hi, n_dd, n_dmin = (
+                _qmv_loads(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0 + CH,
+                           c_end, nqw, ng, nsup, KIND, CH))
+            n_x_lo, n_x_hi, n_xd = _qmv_x1(xq_ptr, xd_ptr, c0 + CH, c_end, KW, M, CH)
+            acc += _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x_lo,
+                             x_hi, xd, xq_ptr, xd_ptr, c0, c_end, KW, M, MP, KIND, BN, CH,
+                             INTERP)
+            w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = (
+                n_w_lo, n_w_hi, n_h_lo, n_h_hi, n_a_lo, n_a_hi, n_b_lo, n_b_hi, n_dd, n_dmin)
+            x_lo, x_hi, xd = n_x_lo, n_x_hi, n_xd
+    else:
+        for c0 in range(c_start, c_end, CH):
+            w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = _qmv_loads(
+                q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0, c_end, nqw, ng,
+                nsup, KIND, CH)
+            x_lo, x_hi, xd = _qmv_x1(xq_ptr, xd_ptr, c0, c_end, KW, M, CH)
+            acc += _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x_lo,
+                             x_hi, xd, xq_ptr, xd_ptr, c0, c_end, KW, M, MP, KIND, BN, CH,
+                             INTERP)
     return acc
 
 
@@ -248,7 +358,7 @@ def _prefetch_span(ptr, rows, rmask, stride, e0, e1):
 @triton.jit
 def _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0, c1, nqw,
                       ng, nsup, KIND: tl.constexpr):
-    """Chunks c0..c1 of rows (BN,) of every plane a mat-vec reads (``_qmv_step``'s
+    """Chunks c0..c1 of rows (BN,) of every plane a mat-vec reads (``_qmv_loads``'
     indexing) into L2: issued before ``_await_inputs`` (PDL 2), while the launch before
     still runs, the weights (which no launch writes) are on their way."""
     _prefetch_span(q_ptr, rows, rmask, nqw, c0 * (16 if KIND == 0 else 8),
@@ -273,9 +383,9 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
                 m_ptr, d_ptr, dm_ptr, N, KW, nqw, ng, nsup, n_chunks, cps, n_splits,
                 M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr,
                 CH: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                INTERP: tl.constexpr, PDL: tl.constexpr):
+                INTERP: tl.constexpr, PIPELINE: tl.constexpr, PDL: tl.constexpr):
     """out (M, N) = x @ W.T with x as int8 blocks: xq (M, KW) int32 words of 4 int8 values,
-    xd (M, KW / 8) f32 the scale of each 32 values, CH chunks a step (``_qmv_step``).
+    xd (M, KW / 8) f32 the scale of each 32 values, CH chunks a step (``_qmv_rows``).
     Program (i, j) takes rows i * BN.. and chunks j * cps.. (a
     split of K when rows alone give too few programs): its partial sums go to part[j], and
     the last split of a row block to finish (a counter per block) adds them up in split
@@ -289,10 +399,9 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
         _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask,
                           split * cps, c_end, nqw, ng, nsup, KIND)
     _await_inputs(PDL)
-    acc = tl.zeros((BN, MP), dtype=tl.float32)
-    for c0 in range(split * cps, c_end, CH):
-        acc += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows,
-                         rmask, c0, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP)
+    acc = _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask,
+                    split * cps, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP,
+                    PIPELINE)
     mcol = tl.arange(0, MP)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0)
@@ -319,27 +428,29 @@ def _qmv_glu_kernel(xq_ptr, xd_ptr, out_ptr, count_ptr, q_ptr, qh_ptr, s_ptr, m_
                     dm_ptr, F, KW, nqw, ng, nsup, n_chunks, KP, q32_ptr, d32_ptr, q256_ptr,
                     d256_ptr, M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr,
                     BN: tl.constexpr, CH: tl.constexpr, GELU: tl.constexpr,
-                    K256: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+                    K256: tl.constexpr, INTERP: tl.constexpr, PIPELINE: tl.constexpr,
+                    PDL: tl.constexpr):
     """out (M, F) = act(x @ G.T) * (x @ U.T) for gate and up stacked as one matrix (rows
     0..F and F..2F), and out's 8-bit blocks for the down projection: the mat-vec, the GLU
     and its quantization (``then_quantize``'s) in one launch. A program takes gate rows
-    i * BN.. and the same up rows, all of K; the last program of each 256 outputs to finish
-    (a counter each, as the split-K mat-vec) quantizes them."""
+    i * BN.. and the same up rows, all of K, as one tile of 2 BN rows (gate row j, up row
+    j, ...: one load a step for both, ``_qmv_rows``); the last program of each 256 outputs
+    to finish (a counter each, as the split-K mat-vec) quantizes them."""
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < F
+    pair = tl.arange(0, 2 * BN)
+    both = pid * BN + pair // 2 + (pair % 2) * F  # (2 BN,) rows of the stacked matrix
+    bmask = pid * BN + pair // 2 < F
     if PDL == 2:
-        for half in tl.static_range(2):  # gate's rows, up's
-            _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows + half * F,
-                              rmask, 0, n_chunks, nqw, ng, nsup, KIND)
+        _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, both, bmask, 0,
+                          n_chunks, nqw, ng, nsup, KIND)
     _await_inputs(PDL)
-    gate = tl.zeros((BN, MP), dtype=tl.float32)
-    up = tl.zeros((BN, MP), dtype=tl.float32)
-    for c0 in range(0, n_chunks, CH):
-        gate += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows,
-                          rmask, c0, n_chunks, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP)
-        up += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows + F,
-                        rmask, c0, n_chunks, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP)
+    sums = _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, both, bmask,
+                     0, n_chunks, KW, nqw, ng, nsup, M, MP, KIND, 2 * BN, CH, INTERP,
+                     PIPELINE)
+    # (2 BN, MP) -> gate (BN, MP), up (BN, MP)
+    gate, up = tl.split(tl.permute(tl.reshape(sums, (BN, 2, MP)), (0, 2, 1)))
     mcol = tl.arange(0, MP)
     at = mcol[None, :].to(tl.int64) * F + rows[:, None]  # (BN, MP) in the (M, F) output
     tl.store(out_ptr + at, _glu_act(gate, GELU) * up, mask=rmask[:, None] & (mcol < M)[None, :])
@@ -980,8 +1091,17 @@ def _matvec_tile(op: str, p: Planes, device, run) -> tuple[int, int, int, int]:
     tile = bn, ch, warps, (PROGRAMS_PER_SM if n_chunks >= SPLIT_MIN_CHUNKS else 0)
     if p.kind in MATVEC_TILES:  # (a sweep's or a test's: not timed)
         return tile
-    return tuning.choose(device, (op, p.kind, p.rows, n_chunks),
-                         matvec_candidates(n_chunks), run, tile)
+    key = (op, p.kind, p.rows, n_chunks) + (() if matvec_pipeline(1) else ("unpipelined",))
+    return tuning.choose(device, key, matvec_candidates(n_chunks), run, tile)
+
+
+def matvec_pipeline(tokens: int) -> bool:
+    """Does a mat-vec over ``tokens`` tokens load each step a step ahead (``_qmv_rows``)?
+    A lone token's does (decode), unless EDGELLM_MATVEC_PIPELINE=0 (an A/B on a GPU: the
+    same sums in the same order either way); 2-8 tokens' do not (each token's activations
+    are loaded in the step, and carrying the weights would take the stacked gate+up from
+    138 registers to 181 at 8 tokens)."""
+    return tokens == 1 and os.environ.get("EDGELLM_MATVEC_PIPELINE", "1") != "0"
 
 
 _sm_counts: dict = {}
@@ -1096,7 +1216,7 @@ def _qmatvec(xq, xd, p: Planes, bias, tile: tuple[int, int, int, int]):
         *_plane_args(p, _words(p)), p.rows, xq.shape[1], nq // 4, ng, nsup,
         n_chunks, cps, splits, M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn, CH=ch,
         HAS_BIAS=bias is not None, SPLIT_K=splits > 1, INTERP=_INTERPRETING,
-        num_warps=warps)
+        PIPELINE=matvec_pipeline(n), num_warps=warps)
     return out
 
 
@@ -1121,7 +1241,8 @@ def qmatvec_glu(xq, xd, p: Planes, gelu: bool):
             xq, xd, out, _counters(xq.device, triton.cdiv(F, 256)),
             *_plane_args(p, _words(p)), F, xq.shape[1], nq // 4, ng, nsup, n_chunks, padded,
             *_q8_args(blocks, out), M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn,
-            CH=ch, GELU=gelu, K256=256 in blocks, INTERP=_INTERPRETING, num_warps=warps)
+            CH=ch, GELU=gelu, K256=256 in blocks, INTERP=_INTERPRETING,
+            PIPELINE=matvec_pipeline(n), num_warps=warps)
 
     run(_matvec_tile("matvec_glu", p, xq.device, run))
     return out, _as_matvec_blocks(blocks)
