@@ -172,8 +172,15 @@ step_pdl() {
 step_pdlprompt() { prompt_ab EDGELLM_PDL "${PDL_ORDER:-0 2 0 2}" "$GEMMA"; }
 # decode: the tiles the card chose (the `bench` step saved them) against the defaults
 step_tune() { decode_ab EDGELLM_TUNE "${TUNE_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
-# decode: the mat-vecs loading each step a step ahead (kernels._qmv_rows) or not
-step_pipeline() { decode_ab EDGELLM_MATVEC_PIPELINE "${PIPELINE_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
+# decode of the 1.5B with the mat-vecs' loops (kernels.matvec_pipeline) taking turns in one
+# process: 0 plain, 1 loads in registers a step ahead (the default), 3 copies to shared
+# memory 2 steps ahead (the first run tunes each new mode's tiles)
+step_pipeline() {
+    enough 60 "pipeline A/B" || return
+    timeout "$(limit 240)" python3 benchmarks/torch_decode_ab.py "$LARGE" \
+        --turns "EDGELLM_MATVEC_PIPELINE=${PIPELINE_MODES:-0,1,3}" 2>&1 \
+        | tee -a "$LOGS/decode_pipeline.txt" | tail -n 3
+}
 # decode: launch fusions off/on; host vs device argmax
 step_ab() { decode_ab EDGELLM_FUSE_LAUNCHES "${AB_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
 # decode: each of the newest fusions off alone (backend.FUSIONS), against all on (",")

@@ -13,9 +13,12 @@
 Run it under EDGELLM_FUSE_LAUNCHES=0 and =1 (alternating processes) to see the launch
 fusions' share, EDGELLM_UNFUSE=glu (etc.: backend.FUSIONS) for one fusion's, or
 EDGELLM_TUNE=0 and =1 for the tuned tiles' (backends/torch/tuning.py), or
-EDGELLM_MATVEC_PIPELINE=0 and =1 for the mat-vecs' loads a step ahead. ``--pdl 0,1,2``:
-programmatic dependent launches' share (``kernels._pdl``), in this one process: each mode
-captures its own graphs and the modes take turns within every round. ``--ctx N``: a cache of N
+EDGELLM_MATVEC_PIPELINE=0 and =1 for the mat-vecs' loads a step ahead. ``--turns VAR=a,b``:
+an environment variable's values taking turns within every round in this one process, each
+value with graphs of its own (a graph keeps the launches it captured), for the variables
+kernels read at each launch: ``--turns EDGELLM_MATVEC_PIPELINE=0,1,3`` (the mat-vecs'
+loops, ``kernels.matvec_pipeline``); ``--pdl 0,1,2`` is ``--turns EDGELLM_PDL=0,1,2``
+(programmatic dependent launches, ``kernels._pdl``). ``--ctx N``: a cache of N
 slots (default: the steps + 16, as ``edgellm bench``): a graph attends over its cache's
 whole storage, so this is decode's cost in a chat's cache (4096 by default) against the
 bench's. Needs CUDA.
@@ -55,16 +58,16 @@ def _synced(run):
     return timed
 
 
-def _pdl_modes(model, modes: list[int]):
-    """A function that switches ``model`` to one of ``modes``: kernels launch in that PDL
-    mode and steps replay that mode's own graphs (a graph keeps the launches it captured)."""
+def _turns(model, var: str, values: list[str]):
+    """A function that switches ``model`` to one of ``values`` of environment variable
+    ``var``: kernels launch as that value asks and steps replay that value's own graphs."""
     backend = model.backend
-    stores = {mode: type(backend.graphs)(backend) for mode in modes}
+    stores = {value: type(backend.graphs)(backend) for value in values}
 
-    def use(mode: int) -> None:
+    def use(value: str) -> None:
         backend.kernels._pdl_devices.clear()  # (_pdl reads EDGELLM_PDL again)
-        os.environ["EDGELLM_PDL"] = str(mode)
-        backend.graphs = stores[mode]
+        os.environ[var] = value
+        backend.graphs = stores[value]
     return use
 
 
@@ -74,10 +77,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=0, help="cache slots (default steps + 16)")
-    ap.add_argument("--pdl", default="", help="PDL modes to take turns, e.g. 0,1,2 "
-                    "(default: EDGELLM_PDL's, or its default, alone)")
+    ap.add_argument("--turns", default="", metavar="VAR=a,b",
+                    help="values of an environment variable to take turns, e.g. "
+                    "EDGELLM_MATVEC_PIPELINE=0,1,3 (default: the environment's, alone)")
+    ap.add_argument("--pdl", default="", help="PDL modes to take turns: --turns "
+                    "EDGELLM_PDL=MODES")
     args = ap.parse_args()
-    modes = [int(m) for m in args.pdl.split(",")] if args.pdl else [None]
+    turns = f"EDGELLM_PDL={args.pdl}" if args.pdl else args.turns
+    var, _, values = turns.partition("=")
+    modes = values.split(",") if values else [None]
 
     model = edgellm.load(args.model, backend="torch")
     net = model.net
@@ -88,7 +96,7 @@ def main() -> None:
     def make_cache():
         return model.make_cache(slots)
 
-    use = _pdl_modes(model, modes) if modes != [None] else lambda mode: None
+    use = _turns(model, var, modes) if modes != [None] else lambda mode: None
     for mode in modes:  # warm-up: captures, compiles
         use(mode)
         for run in runs.values():
@@ -102,13 +110,14 @@ def main() -> None:
             rates[mode]["replay"].append(_replay_rate(model, net, args.steps))
     fuse = os.environ.get("EDGELLM_FUSE_LAUNCHES", "1")
     tune = os.environ.get("EDGELLM_TUNE", "1")
-    pipeline = int(model.backend.kernels.matvec_pipeline(1))
     unfused = ",".join(sorted(model.backend.unfused)) or "-"
+    kernels = model.backend.kernels
     for mode in modes:
-        pdl = mode if mode is not None else model.backend.kernels._pdl(
-            torch.device("cuda", torch.cuda.current_device()))
+        use(mode)
+        pdl = kernels._pdl(torch.device("cuda", torch.cuda.current_device()))
         print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune} "
-              f"unfused={unfused} pipeline={pipeline} pdl={pdl} ctx={slots}: " + ", ".join(
+              f"unfused={unfused} pipeline={kernels.matvec_pipeline(1)} pdl={pdl} "
+              f"ctx={slots}: " + ", ".join(
             f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
             for name, r in rates[mode].items()))
 

@@ -298,13 +298,15 @@ def _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, 
               KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr,
               PIPELINE: tl.constexpr):
     """x @ W.T's sums over chunks c_start..c_end of rows (BN,): (BN, MP), CH chunks a step.
-    PIPELINE: each step's loads (``_qmv_loads``, and ``_qmv_x1``) are issued before the
+    PIPELINE 1: each step's loads (``_qmv_loads``, and ``_qmv_x1``) are issued before the
     step before is summed, so a program waits for memory about once, not once a step (a
     step's reductions synchronize the program's warps, and loads issued after them wait
     for them); the last step's loads past c_end are masked off (no memory is read).
-    Else the loads of a step, then its sums (``matvec_pipeline``)."""
+    Else (``matvec_pipeline``'s modes) 0: the loads of a step, then its sums; 2-4: the
+    same loop with its loads copied asynchronously to shared memory, PIPELINE - 1 steps
+    ahead (triton's pipeliner: ``tl.range``'s num_stages), any token count."""
     acc = tl.zeros((BN, MP), dtype=tl.float32)
-    if PIPELINE:
+    if PIPELINE == 1:
         w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = _qmv_loads(
             q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c_start, c_end, nqw, ng,
             nsup, KIND, CH)
@@ -320,16 +322,28 @@ def _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, 
             w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = (
                 n_w_lo, n_w_hi, n_h_lo, n_h_hi, n_a_lo, n_a_hi, n_b_lo, n_b_hi, n_dd, n_dmin)
             x_lo, x_hi, xd = n_x_lo, n_x_hi, n_xd
-    else:
+    elif PIPELINE == 0:
         for c0 in range(c_start, c_end, CH):
-            w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = _qmv_loads(
-                q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0, c_end, nqw, ng,
-                nsup, KIND, CH)
-            x_lo, x_hi, xd = _qmv_x1(xq_ptr, xd_ptr, c0, c_end, KW, M, CH)
-            acc += _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x_lo,
-                             x_hi, xd, xq_ptr, xd_ptr, c0, c_end, KW, M, MP, KIND, BN, CH,
-                             INTERP)
+            acc += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows,
+                             rmask, c0, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP)
+    else:
+        for c0 in tl.range(c_start, c_end, CH, num_stages=PIPELINE):
+            acc += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows,
+                             rmask, c0, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP)
     return acc
+
+
+@triton.jit
+def _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0,
+              c_end, KW, nqw, ng, nsup, M: tl.constexpr, MP: tl.constexpr,
+              KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr):
+    """One step of a mat-vec: its loads, then its sums, (BN, MP)."""
+    w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = _qmv_loads(
+        q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0, c_end, nqw, ng, nsup,
+        KIND, CH)
+    x_lo, x_hi, xd = _qmv_x1(xq_ptr, xd_ptr, c0, c_end, KW, M, CH)
+    return _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x_lo, x_hi, xd,
+                     xq_ptr, xd_ptr, c0, c_end, KW, M, MP, KIND, BN, CH, INTERP)
 
 
 @triton.jit
@@ -1091,17 +1105,22 @@ def _matvec_tile(op: str, p: Planes, device, run) -> tuple[int, int, int, int]:
     tile = bn, ch, warps, (PROGRAMS_PER_SM if n_chunks >= SPLIT_MIN_CHUNKS else 0)
     if p.kind in MATVEC_TILES:  # (a sweep's or a test's: not timed)
         return tile
-    key = (op, p.kind, p.rows, n_chunks) + (() if matvec_pipeline(1) else ("unpipelined",))
+    mode = matvec_pipeline(1)
+    key = (op, p.kind, p.rows, n_chunks) + (() if mode == 1 else (f"pipeline{mode}",))
     return tuning.choose(device, key, matvec_candidates(n_chunks), run, tile)
 
 
-def matvec_pipeline(tokens: int) -> bool:
-    """Does a mat-vec over ``tokens`` tokens load each step a step ahead (``_qmv_rows``)?
-    A lone token's does (decode), unless EDGELLM_MATVEC_PIPELINE=0 (an A/B on a GPU: the
-    same sums in the same order either way); 2-8 tokens' do not (each token's activations
-    are loaded in the step, and carrying the weights would take the stacked gate+up from
-    138 registers to 181 at 8 tokens)."""
-    return tokens == 1 and os.environ.get("EDGELLM_MATVEC_PIPELINE", "1") != "0"
+def matvec_pipeline(tokens: int) -> int:
+    """How a mat-vec over ``tokens`` tokens runs its loop over K (``_qmv_rows``): 1, each
+    step's loads issued into registers a step ahead (a lone token's default: decode); 0,
+    a step's loads then its sums (2-8 tokens' default: carrying the weights would take the
+    stacked gate+up from 138 registers to 181 at 8 tokens); 2-4, the loads copied to
+    shared memory asynchronously, that many stages (triton's pipeliner). The sums are the
+    same, in the same order, in every mode. EDGELLM_MATVEC_PIPELINE=0, 1 or 2-4 chooses
+    (for an A/B on a GPU; 1 leaves 2-8 tokens at 0)."""
+    value = os.environ.get("EDGELLM_MATVEC_PIPELINE", "1")
+    mode = int(value) if value in ("0", "1", "2", "3", "4") else 1
+    return 0 if mode == 1 and tokens > 1 else mode
 
 
 _sm_counts: dict = {}
