@@ -16,12 +16,12 @@ EDGELLM_TUNE=0 and =1 for the tuned tiles' (backends/torch/tuning.py), or
 EDGELLM_MATVEC_PIPELINE=0 and =1 for the mat-vecs' loads a step ahead. ``--turns VAR=a,b``:
 an environment variable's values taking turns within every round in this one process, each
 value with graphs of its own (a graph keeps the launches it captured), for the variables
-kernels read at each launch: ``--turns EDGELLM_MATVEC_PIPELINE=0,1,3`` (the mat-vecs'
-loops, ``kernels.matvec_pipeline``); ``--pdl 0,1,2`` is ``--turns EDGELLM_PDL=0,1,2``
-(programmatic dependent launches, ``kernels._pdl``). ``--ctx N``: a cache of N
-slots (default: the steps + 16, as ``edgellm bench``): a graph attends over its cache's
-whole storage, so this is decode's cost in a chat's cache (4096 by default) against the
-bench's. Needs CUDA.
+kernels read at their launches (what they keep of them is cleared at each turn):
+``--turns EDGELLM_MATVEC_PIPELINE=0,1,3`` (the mat-vecs' loops, ``kernels.matvec_pipeline``);
+``--pdl 0,1,2`` is ``--turns EDGELLM_PDL=0,1,2`` (programmatic dependent launches,
+``kernels._pdl``). ``--ctx N``: a cache of N slots (default: the steps + 16, as
+``edgellm bench``): a graph attends over its cache's whole storage, so this is decode's cost
+in a chat's cache (4096 by default) against the bench's. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def _turns(model, var: str, values: list[str]):
     stores = {value: type(backend.graphs)(backend) for value in values}
 
     def use(value: str) -> None:
-        backend.kernels._pdl_devices.clear()  # (_pdl reads EDGELLM_PDL again)
+        backend.kernels._pdl_devices.clear()  # (_pdl reads EDGELLM_PDL again, and
+        backend.kernels._pipeline_mode.clear()  # matvec_pipeline its variable)
         os.environ[var] = value
         backend.graphs = stores[value]
     return use

@@ -139,8 +139,11 @@ def test_pipelined_matvecs_equal_the_plain_loop(qtype, n, monkeypatch):
     assert kernels.matvec_pipeline(1) == 1 and kernels.matvec_pipeline(n) == (1 if n == 1 else 0)
     results = {}
     staged = ("3",) if torch.cuda.is_available() else ()  # (the interpreter: plain loop)
+    monkeypatch.setattr(kernels, "_pipeline_mode", {})  # (the mode read is kept there)
     for mode in ("1", *staged, "0"):
         monkeypatch.setenv("EDGELLM_MATVEC_PIPELINE", mode)
+        kernels._pipeline_mode.clear()
+        assert kernels.matvec_pipeline(1) == int(mode)  # (read again: the mode runs)
         results[mode] = run()
     want = round_activations_like_ggml(x, qtype) @ w.T
     for got in results["1"][:2]:

@@ -52,7 +52,10 @@ def test_staged_matvec_copies_its_weights_ahead(rows, cols, qtype, monkeypatch):
     """EDGELLM_MATVEC_PIPELINE=3 (the A/B's third mode): triton's pipeliner turns the
     mat-vec's weight loads into asynchronous copies to shared memory (else the mode would
     be the plain loop under another name), and nothing is spilt."""
+    from edgellm.backends.torch import kernels
+
     monkeypatch.setenv("EDGELLM_MATVEC_PIPELINE", "3")
+    monkeypatch.setattr(kernels, "_pipeline_mode", {})  # (read again, then forgotten)
     compiled = offline_sm90.compile_launch(*offline_sm90.matvec_launch(rows, cols, qtype))
     assert compiled.lines(r"cp\.async"), "no asynchronous copies"
     assert not compiled.lines(r"ld\.global(\.\w+)*\.v4"), "weights still loaded to registers"

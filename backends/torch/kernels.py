@@ -1117,14 +1117,19 @@ def matvec_pipeline(tokens: int) -> int:
     stacked gate+up from 138 registers to 181 at 8 tokens); 2-4, the loads copied to
     shared memory asynchronously, that many stages (triton's pipeliner). The sums are the
     same, in the same order, in every mode. EDGELLM_MATVEC_PIPELINE=0, 1 or 2-4 chooses
-    (for an A/B on a GPU; 1 leaves 2-8 tokens at 0)."""
-    value = os.environ.get("EDGELLM_MATVEC_PIPELINE", "1")
-    mode = int(value) if value in ("0", "1", "2", "3", "4") else 1
+    (for an A/B on a GPU; 1 leaves 2-8 tokens at 0), read at the first mat-vec and kept
+    in ``_pipeline_mode`` (every launch asks, twice: 1.4 us a read of the environment;
+    clear it to read it again)."""
+    mode = _pipeline_mode.get("env")
+    if mode is None:
+        value = os.environ.get("EDGELLM_MATVEC_PIPELINE", "1")
+        mode = _pipeline_mode["env"] = int(value) if value in ("0", "1", "2", "3", "4") else 1
     return 0 if mode == 1 and tokens > 1 else mode
 
 
 _sm_counts: dict = {}
 _pdl_devices: dict = {}  # device -> launch with PDL there (``_pdl``)
+_pipeline_mode: dict = {}  # "env" -> EDGELLM_MATVEC_PIPELINE's mode (``matvec_pipeline``)
 _split_counters: dict = {}  # device -> int32 counters (split-K mat-vec, attention; self-resetting)
 
 
