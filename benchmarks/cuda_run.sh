@@ -173,12 +173,12 @@ step_pdlprompt() { prompt_ab EDGELLM_PDL "${PDL_ORDER:-0 2 0 2}" "$GEMMA"; }
 # decode: the tiles the card chose (the `bench` step saved them) against the defaults
 step_tune() { decode_ab EDGELLM_TUNE "${TUNE_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
 # decode of the 1.5B with the mat-vecs' loops (kernels.matvec_pipeline) taking turns in one
-# process: 0 plain, 1 loads in registers a step ahead (the default), 3 copies to shared
-# memory 2 steps ahead (the first run tunes each new mode's tiles)
+# process: 0 plain, 1 loads in registers a step ahead (the default; the first run tunes
+# each mode's tiles)
 step_pipeline() {
     enough 60 "pipeline A/B" || return
     timeout "$(limit 240)" python3 benchmarks/torch_decode_ab.py "$LARGE" \
-        --turns "EDGELLM_MATVEC_PIPELINE=${PIPELINE_MODES:-0,1,3}" 2>&1 \
+        --turns "EDGELLM_MATVEC_PIPELINE=${PIPELINE_MODES:-0,1}" 2>&1 \
         | tee -a "$LOGS/decode_pipeline.txt" | tail -n 3
 }
 # decode: launch fusions off/on; host vs device argmax

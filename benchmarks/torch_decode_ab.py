@@ -17,7 +17,7 @@ EDGELLM_MATVEC_PIPELINE=0 and =1 for the mat-vecs' loads a step ahead. ``--turns
 an environment variable's values taking turns within every round in this one process, each
 value with graphs of its own (a graph keeps the launches it captured), for the variables
 kernels read at their launches (what they keep of them is cleared at each turn):
-``--turns EDGELLM_MATVEC_PIPELINE=0,1,3`` (the mat-vecs' loops, ``kernels.matvec_pipeline``);
+``--turns EDGELLM_MATVEC_PIPELINE=0,1`` (the mat-vecs' loops, ``kernels.matvec_pipeline``);
 ``--pdl 0,1,2`` is ``--turns EDGELLM_PDL=0,1,2`` (programmatic dependent launches,
 ``kernels._pdl``). ``--ctx N``: a cache of N slots (default: the steps + 16, as
 ``edgellm bench``): a graph attends over its cache's whole storage, so this is decode's cost

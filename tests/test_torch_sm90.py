@@ -46,22 +46,6 @@ def test_decode_matvec_keeps_to_registers(rows, cols, qtype, tokens):
     assert compiled.spilt_bytes == 0, compiled.registers
 
 
-@pytest.mark.parametrize("rows,cols,qtype", [(17920, 1536, Q.Q4_K), (1536, 8960, Q.Q6_K)],
-                         ids=["gate-up-1.5b", "down-1.5b"])
-def test_staged_matvec_copies_its_weights_ahead(rows, cols, qtype, monkeypatch):
-    """EDGELLM_MATVEC_PIPELINE=3 (the A/B's third mode): triton's pipeliner turns the
-    mat-vec's weight loads into asynchronous copies to shared memory (else the mode would
-    be the plain loop under another name), and nothing is spilt."""
-    from edgellm.backends.torch import kernels
-
-    monkeypatch.setenv("EDGELLM_MATVEC_PIPELINE", "3")
-    monkeypatch.setattr(kernels, "_pipeline_mode", {})  # (read again, then forgotten)
-    compiled = offline_sm90.compile_launch(*offline_sm90.matvec_launch(rows, cols, qtype))
-    assert compiled.lines(r"cp\.async"), "no asynchronous copies"
-    assert not compiled.lines(r"ld\.global(\.\w+)*\.v4"), "weights still loaded to registers"
-    assert compiled.spilt_bytes == 0, compiled.registers
-
-
 @pytest.mark.parametrize("model", list(HEADS))
 def test_prompt_attention_has_tiles_that_keep_to_registers(model):
     """The flash prompt attention's tiles a GPU times, over a 512-token prompt at each

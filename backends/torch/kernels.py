@@ -302,9 +302,7 @@ def _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, 
     step before is summed, so a program waits for memory about once, not once a step (a
     step's reductions synchronize the program's warps, and loads issued after them wait
     for them); the last step's loads past c_end are masked off (no memory is read).
-    Else (``matvec_pipeline``'s modes) 0: the loads of a step, then its sums; 2-4: the
-    same loop with its loads copied asynchronously to shared memory, PIPELINE - 1 steps
-    ahead (triton's pipeliner: ``tl.range``'s num_stages), any token count."""
+    PIPELINE 0 (``matvec_pipeline``): the loads of a step, then its sums."""
     acc = tl.zeros((BN, MP), dtype=tl.float32)
     if PIPELINE == 1:
         w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = _qmv_loads(
@@ -322,12 +320,8 @@ def _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, 
             w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = (
                 n_w_lo, n_w_hi, n_h_lo, n_h_hi, n_a_lo, n_a_hi, n_b_lo, n_b_hi, n_dd, n_dmin)
             x_lo, x_hi, xd = n_x_lo, n_x_hi, n_xd
-    elif PIPELINE == 0:
-        for c0 in range(c_start, c_end, CH):
-            acc += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows,
-                             rmask, c0, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP)
     else:
-        for c0 in tl.range(c_start, c_end, CH, num_stages=PIPELINE):
+        for c0 in range(c_start, c_end, CH):
             acc += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows,
                              rmask, c0, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP)
     return acc
@@ -1114,16 +1108,15 @@ def matvec_pipeline(tokens: int) -> int:
     """How a mat-vec over ``tokens`` tokens runs its loop over K (``_qmv_rows``): 1, each
     step's loads issued into registers a step ahead (a lone token's default: decode); 0,
     a step's loads then its sums (2-8 tokens' default: carrying the weights would take the
-    stacked gate+up from 138 registers to 181 at 8 tokens); 2-4, the loads copied to
-    shared memory asynchronously, that many stages (triton's pipeliner). The sums are the
-    same, in the same order, in every mode. EDGELLM_MATVEC_PIPELINE=0, 1 or 2-4 chooses
-    (for an A/B on a GPU; 1 leaves 2-8 tokens at 0), read at the first mat-vec and kept
+    stacked gate+up from 138 registers to 181 at 8 tokens). The sums are the same, in the
+    same order, in both. EDGELLM_MATVEC_PIPELINE=0 or 1 chooses (for an A/B on a GPU; 1
+    leaves 2-8 tokens at 0), read at the first mat-vec and kept
     in ``_pipeline_mode`` (every launch asks, twice: 1.4 us a read of the environment;
     clear it to read it again)."""
     mode = _pipeline_mode.get("env")
     if mode is None:
         value = os.environ.get("EDGELLM_MATVEC_PIPELINE", "1")
-        mode = _pipeline_mode["env"] = int(value) if value in ("0", "1", "2", "3", "4") else 1
+        mode = _pipeline_mode["env"] = int(value) if value in ("0", "1") else 1
     return 0 if mode == 1 and tokens > 1 else mode
 
 
