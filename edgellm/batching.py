@@ -13,6 +13,15 @@ the whole KV budget is ``len(slots)`` caches, known before the first request. A 
 4. samples each sequence that got logits with its own sampler (its own seeded RNG, its own
    penalties' history), detokenizes, matches stop strings and emits a ``TokenEvent``.
 
+A sequence decoding alone, on a backend that picks tokens on the device (CUDA graphs:
+``Model.sampled_tokens``), takes its tokens from there instead (``Scheduler._stream_step``):
+each step is queued before the token of the one before is read back, so the host's work for
+a token (the books, detokenizing, the event) overlaps the GPU's step, and no logits come
+back. It needs a chain the device draws (greedy, or top-k/top-p/min-p/temperature without
+penalties or bias) and no logprobs. A step with anything else to do (a new request, a
+cancel, the end) closes the stream first, which takes the step it ran ahead back out of
+the cache.
+
 A finished sequence's slot keeps what its cache holds (prompt and reply) for prefix reuse
 until another request needs the slot (least recently used first).
 
@@ -23,9 +32,10 @@ when sampling with a seed).
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -112,7 +122,8 @@ class TokenEvent:
 # -- internal state -------------------------------------------------------------------------
 @dataclass
 class Slot:
-    """A KV cache and the tokens it holds (``ids``, always exactly the cache's contents)."""
+    """A KV cache and the tokens it holds (``ids``: exactly the cache's contents, but for
+    the step a device stream runs ahead, ``SequenceState.stream``)."""
 
     cache: KVCache
     ids: list[int] = field(default_factory=list)
@@ -129,7 +140,9 @@ class SequenceState:
         self.prompt = [int(t) for t in request.prompt]
         self.params = request.params
         self.process = logits_processor(request.params)
-        self.sample = make_sampler(request.params)  # its own RNG: seeded runs repeat
+        self.rng = np.random.default_rng(request.params.seed)  # its own: seeded runs repeat
+        self.sample = make_sampler(request.params, self.rng)
+        self.stream: Iterator[int] | None = None  # its tokens picked on the device, if open
         self.detok = tokenizer.detokenizer()
         self.stops = StopMatcher(request.params.stop)
         self.sink = sink
@@ -248,6 +261,12 @@ class Scheduler:
         """Cancel, admit, run one forward pass, sample; returns the tokens it ran."""
         self._drop_cancelled()
         self._admit()
+        lone = self._lone_decoder()
+        if lone is not None:
+            ran = self._stream_step(lone)
+            if ran is not None:
+                return ran
+        self._close_streams()
         plan = self._plan()
         if not plan:
             return 0
@@ -272,11 +291,76 @@ class Scheduler:
             if row is not None:
                 self._sample(seq, row)
                 sampled += 1
+        self._count_sampled(sampled)
+        return sum(len(t) for _, t, _ in plan)
+
+    def _count_sampled(self, sampled: int) -> None:
         now = time.perf_counter()
         self.recent.append((now, sampled))
         while self.recent[0][0] < now - RATE_WINDOW_S:  # bounded whether or not anyone reads it
             self.recent.popleft()
-        return sum(len(t) for _, t, _ in plan)
+
+    # -- a lone sequence's tokens from the device --------------------------------------------
+    def _lone_decoder(self) -> SequenceState | None:
+        """The one running sequence, when it is decoding and wants no logprobs (whose
+        tokens the device may pick: ``_stream_step``)."""
+        if len(self.running) != 1:
+            return None
+        seq = self.running[0]
+        return seq if seq.pending is not None and seq.request.logprobs is None else None
+
+    def _stream_step(self, seq: SequenceState) -> int | None:
+        """Feed ``seq``'s pending token and take the next from its device stream (opened at
+        the first such step): the tokens run (1; 0 when the step failed and ended it), or
+        None where the net cannot pick this sequence's tokens (the step runs as usual)."""
+        try:
+            if seq.stream is None:
+                open_stream = getattr(self.net, "sampled_tokens", None)
+                if open_stream is None:
+                    return None
+                # a copy of the generator: the stream draws the uniform of the step it runs
+                # ahead, which the host's generator must not lose when the stream is closed
+                seq.stream = open_stream(seq.pending, seq.slot.cache, seq.params,
+                                         copy.deepcopy(seq.rng), evict=False)
+                if seq.stream is None:
+                    return None
+            token = next(seq.stream)
+        except Exception as exc:  # noqa: BLE001 - as a failed forward pass: end this one
+            self.counters.errors += 1
+            self._fail(seq, f"{type(exc).__name__}: {exc}")
+            return 0
+        self.counters.steps += 1
+        seq.slot.ids.append(seq.pending)
+        seq.pending = None
+        if not seq.params.greedy:
+            seq.rng.random()  # the uniform the device drew for this token (one a token)
+        self._accept(seq, token)
+        self._count_sampled(1)
+        return 1
+
+    def _close_streams(self) -> None:
+        for seq in [s for s in self.running if s.stream is not None]:
+            error = self._close_stream(seq)
+            if error is not None:
+                self.counters.errors += 1
+                self._fail(seq, error)
+
+    @staticmethod
+    def _close_stream(seq: SequenceState) -> str | None:
+        """Close ``seq``'s device stream, which waits for the step it ran ahead and takes it
+        back out of the cache; the error where that failed (the cache is then emptied: what
+        its last step left is unknown)."""
+        stream, seq.stream = seq.stream, None
+        if stream is None:
+            return None
+        try:
+            stream.close()
+        except Exception as exc:  # noqa: BLE001 - the caller ends the sequence with it
+            if seq.slot is not None:
+                seq.slot.cache.reset()
+                seq.slot.ids.clear()
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.waiting if s.cancel_requested]:
@@ -331,12 +415,18 @@ class Scheduler:
         return plan
 
     def _sample(self, seq: SequenceState, logits: np.ndarray) -> None:
-        params: SamplingParams = seq.params
         history = seq.prompt + seq.generated  # for the penalties, as generate_step sees it
         processed = seq.process(logits, history)
         token = seq.sample(processed)
         logprob = (token_logprob(processed, token, seq.request.logprobs)
                    if seq.request.logprobs is not None else None)
+        self._accept(seq, token, logprob)
+
+    def _accept(self, seq: SequenceState, token: int,
+                logprob: TokenLogprob | None = None) -> None:
+        """``seq``'s next token: the end at EOS, a stop string, max_tokens or the context's
+        end; else its event, and it is the token fed next."""
+        params: SamplingParams = seq.params
         seq.generated.append(token)
         self.counters.generated_tokens += 1
         if seq.first_at is None:
@@ -347,7 +437,7 @@ class Scheduler:
         text, hit = seq.stops.feed(seq.detok.add(token))
         if hit:
             self._finish(seq, "stop", token, text, logprob)
-        elif len(seq.generated) >= params.max_tokens or seq.slot.cache.offset >= self.ctx:
+        elif len(seq.generated) >= params.max_tokens or len(seq.slot.ids) >= self.ctx:
             text += seq.stops.flush() + seq.detok.flush()
             self._finish(seq, "length", token, text, logprob)
         else:
@@ -359,6 +449,7 @@ class Scheduler:
                 text: str = "", logprob: TokenLogprob | None = None,
                 error: str | None = None) -> None:
         """Emit the last event, release the slot (its cache stays for prefix reuse)."""
+        self._close_stream(seq)  # (an error there empties the cache; the reply is whole)
         if reason == "cancelled" and seq.cancel_step is not None:
             waited = self.counters.steps - seq.cancel_step
             self.counters.cancel_steps_max = max(self.counters.cancel_steps_max, waited)
@@ -374,6 +465,7 @@ class Scheduler:
 
     def _fail(self, seq: SequenceState, message: str) -> None:
         """A forward pass failed: its caches may be half written, so they start afresh."""
+        self._close_stream(seq)
         if seq.slot is not None:
             seq.slot.cache.reset()
             seq.slot.ids.clear()

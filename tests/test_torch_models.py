@@ -385,8 +385,8 @@ def test_sampled_tokens_on_the_device_equal_host_sampling(tmp_path, monkeypatch,
     graphs = backend.graphs
     drawn_on_device = []  # (params, whether graphs.sample took them) per reply
 
-    def spy(model, token, cache, params, rng):
-        steps = real(model, token, cache, params, rng)
+    def spy(model, token, cache, params, rng, evict=True):
+        steps = real(model, token, cache, params, rng, evict)
         drawn_on_device.append((params, steps is not None))
         return steps
 
@@ -533,3 +533,92 @@ def test_triton_path_follows_cpu_torch(tmp_path, monkeypatch, gemm):
         # prefill multiplies int8 blocks exactly (MMQ), which this backend does not yet
         pytest.xfail(f"f16 prefill GEMM: logits {error:.4f} of their peak from CPU torch's")
     assert error <= (2e-2 if f16 else 1e-3)
+
+
+def _tiny_model(tmp_path):
+    """A tiny random Llama with its tokenizer (``tests.tiny_models``), loaded on CPU torch
+    with graphs.py's steps (``_graph_backend``): what an engine serves on a GPU."""
+    from edgellm.backends.torch.graphs import StepGraphs
+    from tests.tiny_models import TinyConfig, write_tiny_llama
+
+    path = tmp_path / "tiny-engine.gguf"
+    write_tiny_llama(path, TinyConfig(d_model=128, n_layers=2))
+    model = edgellm.load(str(path), backend="torch")
+    if model.backend.graphs is None:
+        model.backend.graphs = StepGraphs(model.backend)
+    return model
+
+
+def test_engine_streams_a_lone_sequence_from_the_device(tmp_path, monkeypatch):
+    """An engine's lone decoding sequence takes its tokens from Model.sampled_tokens (the
+    argmax, or the chain drawn, on the device, one step queued ahead): the tokens the host
+    path gives (its graphs off), greedy and seeded sampling alike. A request that joins
+    mid-stream, a cancel and each ending close the stream, which takes the step run ahead
+    back out of the cache (a slot's ids stay its cache's contents), and every request's
+    tokens are still its tokens alone; so are the host generator's draws after a stream (a
+    lost uniform would change the joined run's tokens). Logprobs and penalties sample on
+    the host."""
+    from edgellm.engine import Engine, Request
+    from edgellm.sampling import SamplingParams
+
+    model = _tiny_model(tmp_path)
+    graphs = model.backend.graphs
+    opened = []  # the params of each stream opened
+    real = model.net.sampled_tokens
+
+    def spy(token, cache, params, rng, *, evict=True):
+        stream = real(token, cache, params, rng, evict=evict)
+        opened.append((params, stream is not None))
+        return stream
+
+    monkeypatch.setattr(model.net, "sampled_tokens", spy)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    sampled = SamplingParams(seed=5, top_k=40, max_tokens=14, ignore_eos=True)
+    penalised = SamplingParams(seed=6, top_k=40, repetition_penalty=1.3, max_tokens=6,
+                               ignore_eos=True)
+    prompts = [[1, 40, 41, 42, 43], [1, 50, 60, 70], [1, 99, 98]]
+
+    def serve(requests, use_graphs: bool, join_at=None, cancel_at=None):
+        """Each request's (tokens, finish reason); ``join_at``: the second is submitted
+        once the first has that many tokens; ``cancel_at``: the first is cancelled then."""
+        model.backend.graphs = graphs if use_graphs else None
+        engine = Engine(model, ctx=64, max_seqs=2, start=False, prefault=False)
+        try:
+            handles = [engine.submit(requests[0])]
+            events = []
+            while not all(h.done for h in handles) or len(handles) < len(requests):
+                engine.step()
+                made = len(handles[0]._seq.generated)
+                if len(handles) < len(requests) and (join_at is None or made >= join_at
+                                                     or handles[0].done):
+                    handles.append(engine.submit(requests[len(handles)]))
+                if cancel_at is not None and made >= cancel_at:
+                    handles[0].cancel()
+                for slot in engine._scheduler.slots:
+                    if slot.seq is None or slot.seq.stream is None:  # (a stream: one ahead)
+                        events.append(slot.cache.offset == len(slot.ids))
+            assert all(events)
+            return [(c.tokens, c.finish_reason) for c in (h.result(0) for h in handles)]
+        finally:
+            engine.close()
+            model.backend.graphs = graphs
+
+    alone = {}
+    for params, prompt in zip((greedy, sampled, penalised), prompts, strict=True):
+        request = Request(prompt, params)
+        alone[id(params)] = serve([request], False)[0]
+        opened.clear()
+        assert serve([request], True)[0] == alone[id(params)]
+        assert (opened[:1] == [(params, True)]) == (params is not penalised)
+    assert alone[id(greedy)][0] != alone[id(sampled)][0][:10]
+
+    # a second request joins the first's stream; then one is cancelled mid-stream
+    opened.clear()
+    joined = serve([Request(prompts[1], sampled), Request(prompts[0], greedy)], True,
+                   join_at=5)
+    assert joined == [alone[id(sampled)], alone[id(greedy)]]
+    assert opened[0] == (sampled, True)
+    tokens, reason = serve([Request(prompts[1], sampled)], True, cancel_at=4)[0]
+    assert reason == "cancelled" and tokens == alone[id(sampled)][0][:len(tokens)]
+    logprobs = serve([Request(prompts[0], greedy, logprobs=2)], True)[0]
+    assert logprobs == alone[id(greedy)]

@@ -242,7 +242,8 @@ class StepGraphs:
                     return b.graph
         return None
 
-    def greedy(self, model, token: int, cache: KVCache) -> Iterator[tuple[int, float]] | None:
+    def greedy(self, model, token: int, cache: KVCache,
+               evict: bool = True) -> Iterator[tuple[int, float]] | None:
         """Greedy decoding after ``token`` (not yet in ``cache``): yields each step's argmax
         and its logit (NaN or inf: the logits were not finite), for ever; None when the
         cache cannot run as graphs.
@@ -250,22 +251,25 @@ class StepGraphs:
         Step t+1 is queued, its token read from step t's argmax on the device, before step
         t's token is read back, so the cache holds one token more than was yielded until the
         generator is closed: closing it waits for that step and trims it again. A cache that
-        could not trim it (a ring holding no spare slot) is not run ahead."""
-        g = self._graph_for(model, cache)
+        could not trim it (a ring holding no spare slot) is not run ahead. ``evict``: as
+        ``forward``'s."""
+        g = self._graph_for(model, cache, evict)
         if g is None:
             return None
         return self._decode_steps(model, g, token, cache)
 
-    def sample(self, model, token: int, cache: KVCache, params,
-               rng: np.random.Generator) -> Iterator[tuple[int, float]] | None:
+    def sample(self, model, token: int, cache: KVCache, params, rng: np.random.Generator,
+               evict: bool = True) -> Iterator[tuple[int, float]] | None:
         """Decoding after ``token`` with ``params``' chain drawn on the device (``_sample``:
         top-k, top-p, min-p, temperature, the draw), one uniform of ``rng`` a step drawn on
         the host as ``make_sampler`` draws it: yields each step's token and the logits'
         maximum (NaN or inf: a fault), for ever, run one step ahead as ``greedy``'s; None
         when the cache cannot run as graphs or the chain needs the host (``samplable``).
         A step's uniform is drawn when it is queued, the step ahead's included: a closed
-        generator has taken one more from ``rng`` than it yielded tokens."""
-        g = self._graph_for(model, cache) if samplable(params, model.args.vocab_size) else None
+        generator has taken one more from ``rng`` than it yielded tokens. ``evict``: as
+        ``forward``'s."""
+        samples = samplable(params, model.args.vocab_size)
+        g = self._graph_for(model, cache, evict) if samples else None
         if g is None:
             return None
         return self._decode_steps(model, g, token, cache, _Draw(params, rng))

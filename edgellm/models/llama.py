@@ -252,16 +252,21 @@ class Model:
         steps = graphs.greedy(self, token, cache) if graphs is not None else None
         yield from self._checked(steps or self._greedy_on_host(token, cache))
 
-    def sampled_tokens(self, token: int, cache: KVCache, params,
-                       rng: np.random.Generator) -> Iterator[int] | None:
+    def sampled_tokens(self, token: int, cache: KVCache, params, rng: np.random.Generator,
+                       *, evict: bool = True) -> Iterator[int] | None:
         """Decoding after ``token`` with ``params``' chain (top-k, top-p, min-p,
         temperature) drawn on the device, one uniform of ``rng`` a token as the host's
-        sampler draws it: each step's token, for ever, one step ahead as
-        ``greedy_tokens``'. None where the backend cannot (no graphs; a chain that needs
-        the host: penalties, logit bias, top-k off or above the device's candidates), and
-        the caller samples on the host."""
+        sampler draws it, or (``params.argmax_only``) the argmax taken there: each step's
+        token, for ever, one step ahead as ``greedy_tokens``'. None where the backend
+        cannot (no graphs; a chain that needs the host: penalties, logit bias, top-k off or
+        above the device's candidates; ``evict`` False: a cache whose graphs would evict
+        another cache's, as ``forward_batch`` keeps an engine's slots), and the caller
+        samples on the host."""
         graphs = getattr(self.backend, "graphs", None)
-        steps = graphs.sample(self, token, cache, params, rng) if graphs is not None else None
+        if graphs is None:
+            return None
+        steps = (graphs.greedy(self, token, cache, evict) if params.argmax_only
+                 else graphs.sample(self, token, cache, params, rng, evict))
         return self._checked(steps) if steps is not None else None
 
     @staticmethod
