@@ -17,7 +17,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests+plaintests llama bench pipeline pdl plainbench pdlprompt tune ab fusions ctx sampling engine profile prefill mem matvec sweep"}
+STEPS=${STEPS:-"tests+plaintests llama bench pipeline pdl plainbench pdlprompt tune ab fusions ctx sampling engine profile prefill mem memwhere matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -239,6 +239,18 @@ step_mem() {  # device memory at peak and pp512: cuBLAS's workspace 32 MiB again
         echo "== CUBLAS_WORKSPACE_CONFIG=$ws $(name "$GEMMA")"
         CUBLAS_WORKSPACE_CONFIG=$ws timeout "$(limit 100)" python3 -m edgellm.apps.cli bench \
             -m "$GEMMA" --backend torch -p 512 -n 128 -r 5 -o json 2>/dev/null | python3 -c "import json,sys; [print(r['test'], round(r['mean_ts'],1), 't/s peak', r.get('peak_device_memory'), 'gguf', r.get('size'), 'kv', r.get('kv_bytes')) for r in json.load(sys.stdin)]"
+    done
+}
+
+# where the peak device memory goes (allocation history grouped by our line; after `bench`,
+# whose tuning it reuses): Gemma, the model furthest over 1.2x, then the 1.5B
+step_memwhere() {
+    local m
+    for m in "$GEMMA" "$LARGE"; do
+        enough 45 "memwhere $(name "$m")" || return
+        echo "== memory by origin $(name "$m")"
+        timeout "$(limit 90)" python3 benchmarks/torch_memory.py "$m" 2>&1 \
+            | tee "$LOGS/memory-$(name "$m").txt" | tail -n 24
     done
 }
 
