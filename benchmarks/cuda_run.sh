@@ -211,15 +211,20 @@ step_engine() {  # one request at a time through the engine (the server's path):
         | tee -a "$LOGS/engine.txt" | tail -n 2
 }
 
-step_profile() {  # kernels per prompt and decode step: the 1.5B's decode, Gemma's prefill
+# per_model LABEL SCRIPT LINES MODEL...: SCRIPT on each model in turn (90 s each at most),
+# its output in $LOGS/LABEL-<model>.txt and its last LINES lines shown
+per_model() {
     local m
-    for m in "$LARGE" "$GEMMA"; do
-        enough 45 "profile $(name "$m")" || return
-        echo "== profile $(name "$m")"
-        timeout "$(limit 90)" python3 benchmarks/torch_profile.py "$m" 2>&1 \
-            | tee "$LOGS/profile-$(name "$m").txt" | tail -n 40
+    for m in "${@:4}"; do
+        enough 45 "$1 $(name "$m")" || return
+        echo "== $1 $(name "$m")"
+        timeout "$(limit 90)" python3 "$2" "$m" 2>&1 | tee "$LOGS/$1-$(name "$m").txt" \
+            | tail -n "$3"
     done
 }
+
+# kernels per prompt and decode step: the 1.5B's decode, Gemma's prefill
+step_profile() { per_model profile benchmarks/torch_profile.py 40 "$LARGE" "$GEMMA"; }
 
 step_prefill() {  # a prompt's GEMM variants (cast, f32 out, fused tiles) and ring rules
     local m
@@ -244,15 +249,7 @@ step_mem() {  # device memory at peak and pp512: cuBLAS's workspace 32 MiB again
 
 # where the peak device memory goes (allocation history grouped by our line; after `bench`,
 # whose tuning it reuses): Gemma, the model furthest over 1.2x, then the 1.5B
-step_memwhere() {
-    local m
-    for m in "$GEMMA" "$LARGE"; do
-        enough 45 "memwhere $(name "$m")" || return
-        echo "== memory by origin $(name "$m")"
-        timeout "$(limit 90)" python3 benchmarks/torch_memory.py "$m" 2>&1 \
-            | tee "$LOGS/memory-$(name "$m").txt" | tail -n 24
-    done
-}
+step_memwhere() { per_model memory benchmarks/torch_memory.py 24 "$GEMMA" "$LARGE"; }
 
 step_matvec() {
     echo "== mat-vec GB/s"
