@@ -160,17 +160,39 @@ def _weights_tile(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c, cm
 
 
 @triton.jit
-def _dp4a(a, b, c, INTERP: tl.constexpr):
-    """c + the dot product of a's 4 unsigned bytes with b's 4 signed bytes (int32 words):
-    one ``dp4a`` instruction on the GPU, byte arithmetic in the interpreter."""
+def _dp4a(a, b, c, INTERP: tl.constexpr, SIGNED: tl.constexpr = False):
+    """c + the dot product of a's 4 unsigned bytes (``SIGNED``: signed) with b's 4 signed
+    bytes (int32 words): one ``dp4a`` instruction on the GPU, byte arithmetic in the
+    interpreter."""
     if INTERP:
         r = c
         for k in tl.static_range(4):
-            r += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+            if SIGNED:
+                r += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
+            else:
+                r += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
         return r
+    elif SIGNED:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
                                          [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _centred(u, KIND: tl.constexpr):
+    """A symmetric type's u bytes (4 a word) less its offset in units (Q8_0 128, Q4_0 8,
+    Q5_0 16, Q6_K 32: half of u's range) as signed bytes: the top bit of u's width
+    flipped, then copied to the byte's bits above it (no carry leaves a byte)."""
+    if KIND == 0:
+        return u ^ -2139062144  # 0x80808080
+    else:
+        top: tl.constexpr = 0x08080808 if KIND == 1 else (0x10101010 if KIND == 3 else
+                                                           0x20202020)
+        fill: tl.constexpr = 30 if KIND == 1 else (14 if KIND == 3 else 6)
+        t = u ^ top
+        return t | ((t & top) * fill)
 
 
 @triton.jit
@@ -227,9 +249,11 @@ def _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x0_lo, x
               KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr):
     """x @ W.T's sums over the chunks of one ``_qmv_loads`` step: (BN, MP). Per 16
     weights of a row (a quarter chunk: 4 words of u bytes), integer dot products with
-    dp4a; then per group xd * (scale * sum(u q) + offset * sum(q)). A single token's
-    activations come loaded (x0_lo, x0_hi, xd0: ``_qmv_x``); more tokens' are loaded
-    here."""
+    dp4a; then per group xd * (scale * sum(u q) + offset * sum(q)), or, for the types
+    whose offset is a whole number of units (``_centred``), xd * scale * sum((u - units)
+    q): no sums of the activations, which are the loop's layout conversions. A single
+    token's activations come loaded (x0_lo, x0_hi, xd0: ``_qmv_x``); more tokens' are
+    loaded here."""
     sub = tl.arange(0, 2)[None, None, :, None]
     jj = tl.arange(0, 4)[None, None, None, :]
     word = sub * 4 + jj
@@ -242,6 +266,10 @@ def _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x0_lo, x
     if KIND == 7:
         w_lo = w_lo | _spread_bits(h_lo >> (8 * jj), 2)
         w_hi = w_hi | _spread_bits(h_hi >> (8 * jj), 2)
+    CENTRED: tl.constexpr = KIND == 0 or KIND == 1 or KIND == 3 or KIND == 7
+    if CENTRED:
+        w_lo = _centred(w_lo, KIND)
+        w_hi = _centred(w_hi, KIND)
     s_lo, s_hi, o_lo, o_hi = _scales_of(a_lo, a_hi, b_lo, b_hi, dd, dmin, KIND)
     ones = tl.full((1, CH, 2, 4), 0x01010101, tl.int32)  # dp4a with it: sums of q
     zero_x = tl.zeros((1, CH, 2, 4), tl.int32)
@@ -254,14 +282,17 @@ def _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x0_lo, x
         else:
             x_lo, x_hi, xd = _qmv_x(xq_ptr, xd_ptr, m, c0, c_end, KW, CH)
         i_lo = tl.sum(_dp4a(w_lo, tl.broadcast_to(x_lo[None], (BN, CH, 2, 4)), zero,
-                            INTERP), axis=3).to(tl.float32)  # (BN, CH, 2)
+                            INTERP, CENTRED), axis=3).to(tl.float32)  # (BN, CH, 2)
         i_hi = tl.sum(_dp4a(w_hi, tl.broadcast_to(x_hi[None], (BN, CH, 2, 4)), zero,
-                            INTERP), axis=3).to(tl.float32)
-        q_lo = tl.sum(_dp4a(ones, x_lo[None], zero_x, INTERP), axis=3).to(tl.float32)
-        q_hi = tl.sum(_dp4a(ones, x_hi[None], zero_x, INTERP), axis=3).to(tl.float32)
+                            INTERP, CENTRED), axis=3).to(tl.float32)
         xd_lo, xd_hi = tl.split(xd)
-        part = (xd_lo[None, :, None] * (s_lo * i_lo + o_lo * q_lo)
-                + xd_hi[None, :, None] * (s_hi * i_hi + o_hi * q_hi))
+        if CENTRED:
+            part = xd_lo[None, :, None] * (s_lo * i_lo) + xd_hi[None, :, None] * (s_hi * i_hi)
+        else:
+            q_lo = tl.sum(_dp4a(ones, x_lo[None], zero_x, INTERP), axis=3).to(tl.float32)
+            q_hi = tl.sum(_dp4a(ones, x_hi[None], zero_x, INTERP), axis=3).to(tl.float32)
+            part = (xd_lo[None, :, None] * (s_lo * i_lo + o_lo * q_lo)
+                    + xd_hi[None, :, None] * (s_hi * i_hi + o_hi * q_hi))
         part = tl.sum(tl.sum(part, axis=2), axis=1)  # (BN,)
         acc += tl.where(mcol[None, :] == m, part[:, None], 0.0)
     return acc
