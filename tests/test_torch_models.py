@@ -450,8 +450,56 @@ def test_one_sequence_batches_replay_graphs_without_evicting(tmp_path, monkeypat
         assert [int(x.argmax()) for x in got] == [int(x.argmax()) for x in eager]
     owners = [g.owner() for g in graphs._graphs[id(net)]]
     assert owners == caches[:2]  # the third ran eagerly, evicting neither
-    assert net.forward_batch([(np.array([3]), caches[0]), (np.array([4]), caches[1])],
-                             [True, True])[0] is not None  # (two sequences: eagerly)
+
+
+def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
+    """A batch of several sequences (the engine's concurrent users) replays each one's own
+    graphs, one after another, where every cache has or can have them without evicting
+    another's: the logits of the eager batch (a prompt chunk beside a decode token, then
+    decode steps), each cache's books as after the eager batch. Where one cache cannot
+    have graphs (the cap reached), the whole batch runs eagerly, and a batch that
+    overflows a cache raises before any cache is written."""
+    from edgellm.backends.torch import graphs as graphs_module
+    from edgellm.cache import ContextOverflow
+    from edgellm.quants import Q
+
+    monkeypatch.setattr(graphs_module, "MAX_GRAPHS_PER_MODEL", 2)
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q.Q8_0, backend)
+    graphs = backend.graphs
+    replays = []
+    real = graphs.forward
+    monkeypatch.setattr(graphs, "forward", lambda *a, **k: replays.append(a[2]) or real(*a, **k))
+    steps = [([1, 5, 9, 200, 7], [3, 8]), ([44], [2]), ([8], [61])]
+
+    def run(caches, use_graphs: bool):
+        backend.graphs = graphs if use_graphs else None
+        try:
+            return [net.forward_batch([(np.array(t), c) for t, c in zip(step, caches)],
+                                      [True] * len(caches)) for step in steps]
+        finally:
+            backend.graphs = graphs
+
+    eager_caches = [net.make_cache(64) for _ in range(2)]
+    eager = run(eager_caches, False)
+    caches = [net.make_cache(64) for _ in range(2)]
+    got = run(caches, True)
+    assert replays == caches * len(steps)  # (each step: both sequences' graphs)
+    for g, e in zip(got, eager, strict=True):
+        np.testing.assert_allclose(np.stack(g), np.stack(e), rtol=1e-4, atol=1e-4)
+        assert [int(x.argmax()) for x in g] == [int(x.argmax()) for x in e]
+    for c, e in zip(caches, eager_caches, strict=True):
+        for layer, layer_e in zip(c.layers, e.layers, strict=True):
+            assert layer.offset == layer_e.offset
+            assert np.array_equal(layer.slot_pos, layer_e.slot_pos)
+    replays.clear()
+    third = net.make_cache(64)  # the cap is 2: a batch with it runs eagerly
+    mixed = net.forward_batch([(np.array([4]), caches[0]), (np.array([1, 2]), third)])
+    assert replays == [] and all(x is not None for x in mixed)
+    before = [c.offset for c in caches]  # (8 and 4 of 64)
+    with pytest.raises(ContextOverflow):  # (both could replay: the first is not run)
+        net.forward_batch([(np.array([4]), caches[1]), (np.arange(57), caches[0])])
+    assert replays == [] and [c.offset for c in caches] == before
 
 
 def test_device_draw_equals_the_host_draw():

@@ -220,12 +220,10 @@ class StepGraphs:
         ``evict`` False: a cache without graphs of its own gets them only while fewer than
         MAX_GRAPHS_PER_MODEL are kept (an engine's many slots would otherwise evict each
         other's and capture again at every switch)."""
-        n = len(tokens)
-        size = bucket_for(n)
-        g = self._graph_for(model, cache, evict) if size is not None else None
-        if g is None or any(group.ring and n > group.slots for group in g.groups):
-            return None  # (a slice longer than a ring: update_and_fetch drops some of it)
-        b = self._launch(model, g, size, cache, tokens)
+        g = self.graph_for_step(model, len(tokens), cache, evict)
+        if g is None:
+            return None
+        b = self._launch(model, g, bucket_for(len(tokens)), cache, tokens)
         if not self.capture:
             return b.logits.cpu().numpy()
         if b.host_logits is None:  # pinned: a DMA straight into it (pageable: staged)
@@ -233,6 +231,16 @@ class StepGraphs:
         b.host_logits.copy_(b.logits, non_blocking=True)
         torch.cuda.current_stream().synchronize()
         return b.host_logits.numpy().copy()  # the caller's own (the buffer is reused)
+
+    def graph_for_step(self, model, n: int, cache: KVCache,
+                       evict: bool = True) -> _Graph | None:
+        """The graphs a step of ``n`` tokens of ``cache`` runs in (``forward``; made for the
+        cache at its first step), or None where it runs eagerly (nothing is written)."""
+        size = bucket_for(n)
+        g = self._graph_for(model, cache, evict) if size is not None else None
+        if g is None or any(group.ring and n > group.slots for group in g.groups):
+            return None  # (a slice longer than a ring: update_and_fetch drops some of it)
+        return g
 
     def decode_graph(self, model) -> torch.cuda.CUDAGraph | None:
         """A captured one-token step of ``model`` (benchmarks replay it alone), if any."""
