@@ -205,10 +205,14 @@ step_sampling() {  # the default chain drawn on the device (sampled_tokens) agai
         --tokens 128 2>&1 | tee -a "$LOGS/sampling.txt" | tail -n 5
 }
 
-step_engine() {  # one request at a time through the engine (the server's path): graphs or not
-    enough 60 "engine" || return
-    timeout "$(limit 150)" python3 benchmarks/engine_one_stream.py "$LARGE" --tokens 128 2>&1 \
-        | tee -a "$LOGS/engine.txt" | tail -n 2
+# requests through the engine (the server's path), graphs or not: one at a time, then 2 at once
+step_engine() {
+    local n
+    for n in 1 2; do
+        enough 60 "engine, $n streams" || return
+        timeout "$(limit 150)" python3 benchmarks/engine_one_stream.py "$LARGE" --tokens 128 \
+            --streams "$n" 2>&1 | tee -a "$LOGS/engine.txt" | tail -n 2
+    done
 }
 
 # per_model LABEL SCRIPT LINES MODEL...: SCRIPT on each model in turn (90 s each at most),

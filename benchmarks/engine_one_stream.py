@@ -1,9 +1,11 @@
 """One request at a time through the engine (what ``edgellm serve``, the C ABI and
 ``Model.complete`` run), with the backend's graphs and without them, in turns in one
-process: decode tokens/s after the first token, medians of the rounds.
+process: decode tokens/s after the first token, medians of the rounds. ``--streams N``:
+N requests at once instead, their tokens/s in all (from the first token of any to the
+last of all, first tokens left out).
 
     python benchmarks/engine_one_stream.py MODEL.gguf [--backend torch] [--tokens 128]
-        [--rounds 3] [--temperature 0]
+        [--rounds 3] [--temperature 0] [--streams 1]
 
 Where the backend has no graphs (the CPU backend) both runs are the same path. Each request
 has its own prompt (no prefix reuse between runs).
@@ -28,6 +30,20 @@ def one_stream(model, prompt: str, params: SamplingParams) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
+def many_streams(model, prompts: list[str], params: SamplingParams) -> float:
+    """Decode tokens/s in all of len(prompts) completions submitted at once."""
+    from edgellm.engine import Request
+
+    times: list[list[float]] = [[] for _ in prompts]  # each event's time, on the engine's thread
+    handles = [model.engine.submit(Request(model.encode(p), params),
+                                   on_event=lambda e, t=t: t.append(time.perf_counter()))
+               for p, t in zip(prompts, times, strict=True)]
+    for h in handles:
+        assert h.wait(600), "a request did not finish"
+    start = min(t[0] for t in times)
+    return sum(len(t) - 1 for t in times) / (max(t[-1] for t in times) - start)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -35,6 +51,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--streams", type=int, default=1)
     args = ap.parse_args()
     model = edgellm.load(args.model, backend=args.backend)
     graphs = getattr(model.backend, "graphs", None)
@@ -45,12 +62,15 @@ def main() -> None:
     for r in range(args.rounds):
         for name in speeds:
             model.backend.graphs = graphs if name == "graphs" else None
-            speeds[name].append(one_stream(model, f"[{r} {name}] Write a Python function "
-                                           "that parses a CSV file.", params))
+            prompts = [f"[{r} {name} {i}] Write a Python function that parses a CSV file."
+                       for i in range(args.streams)]
+            speeds[name].append(one_stream(model, prompts[0], params) if args.streams == 1
+                                else many_streams(model, prompts, params))
     model.backend.graphs = graphs
     for name, values in speeds.items():
         spread = " ".join(f"{v:.1f}" for v in values)
-        print(f"engine, one stream, {name}: {statistics.median(values):.1f} t/s ({spread})")
+        streams = "one stream" if args.streams == 1 else f"{args.streams} streams"
+        print(f"engine, {streams}, {name}: {statistics.median(values):.1f} t/s ({spread})")
     model.close()
 
 
