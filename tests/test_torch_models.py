@@ -475,7 +475,7 @@ def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
     def run(caches, use_graphs: bool):
         backend.graphs = graphs if use_graphs else None
         try:
-            return [net.forward_batch([(np.array(t), c) for t, c in zip(step, caches)],
+            return [net.forward_batch([(np.array(t), c) for t, c in zip(step, caches, strict=True)],
                                       [True] * len(caches)) for step in steps]
         finally:
             backend.graphs = graphs
