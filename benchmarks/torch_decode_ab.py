@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=0, help="cache slots (default steps + 16)")
     ap.add_argument("--turns", default="", metavar="VAR=a,b",
                     help="values of an environment variable to take turns, e.g. "
-                    "EDGELLM_MATVEC_PIPELINE=0,1,3 (default: the environment's, alone)")
+                    "EDGELLM_MATVEC_PIPELINE=0,1 (default: the environment's, alone)")
     ap.add_argument("--pdl", default="", help="PDL modes to take turns: --turns "
                     "EDGELLM_PDL=MODES")
     args = ap.parse_args()
@@ -117,7 +117,7 @@ def main() -> None:
         use(mode)
         pdl = kernels._pdl(torch.device("cuda", torch.cuda.current_device()))
         print(f"{os.path.basename(args.model)} fuse_launches={fuse} tune={tune} "
-              f"unfused={unfused} pipeline={kernels.matvec_pipeline(1)} pdl={pdl} "
+              f"unfused={unfused} pipeline={int(kernels.matvec_pipeline(1))} pdl={pdl} "
               f"ctx={slots}: " + ", ".join(
             f"{name} {statistics.median(r):.1f} t/s ({' '.join(f'{v:.0f}' for v in r)})"
             for name, r in rates[mode].items()))

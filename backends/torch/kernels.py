@@ -188,11 +188,10 @@ def _centred(u, KIND: tl.constexpr):
     if KIND == 0:
         return u ^ -2139062144  # 0x80808080
     else:
-        top: tl.constexpr = 0x08080808 if KIND == 1 else (0x10101010 if KIND == 3 else
-                                                           0x20202020)
-        fill: tl.constexpr = 30 if KIND == 1 else (14 if KIND == 3 else 6)
+        bit: tl.constexpr = 8 if KIND == 1 else (16 if KIND == 3 else 32)  # u's top bit
+        top: tl.constexpr = bit * 0x01010101
         t = u ^ top
-        return t | ((t & top) * fill)
+        return t | ((t & top) * (256 // bit - 2))  # (bit * (256 // bit - 2): the bits above)
 
 
 @triton.jit
@@ -271,8 +270,6 @@ def _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x0_lo, x
         w_lo = _centred(w_lo, KIND)
         w_hi = _centred(w_hi, KIND)
     s_lo, s_hi, o_lo, o_hi = _scales_of(a_lo, a_hi, b_lo, b_hi, dd, dmin, KIND)
-    ones = tl.full((1, CH, 2, 4), 0x01010101, tl.int32)  # dp4a with it: sums of q
-    zero_x = tl.zeros((1, CH, 2, 4), tl.int32)
     zero = tl.zeros((BN, CH, 2, 4), tl.int32)
     mcol = tl.arange(0, MP)
     acc = tl.zeros((BN, MP), dtype=tl.float32)
@@ -289,6 +286,8 @@ def _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x0_lo, x
         if CENTRED:
             part = xd_lo[None, :, None] * (s_lo * i_lo) + xd_hi[None, :, None] * (s_hi * i_hi)
         else:
+            ones = tl.full((1, CH, 2, 4), 0x01010101, tl.int32)  # dp4a with it: sums of q
+            zero_x = tl.zeros((1, CH, 2, 4), tl.int32)
             q_lo = tl.sum(_dp4a(ones, x_lo[None], zero_x, INTERP), axis=3).to(tl.float32)
             q_hi = tl.sum(_dp4a(ones, x_hi[None], zero_x, INTERP), axis=3).to(tl.float32)
             part = (xd_lo[None, :, None] * (s_lo * i_lo + o_lo * q_lo)
@@ -329,13 +328,13 @@ def _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, 
               KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr,
               PIPELINE: tl.constexpr):
     """x @ W.T's sums over chunks c_start..c_end of rows (BN,): (BN, MP), CH chunks a step.
-    PIPELINE 1: each step's loads (``_qmv_loads``, and ``_qmv_x1``) are issued before the
+    PIPELINE: each step's loads (``_qmv_loads``, and ``_qmv_x1``) are issued before the
     step before is summed, so a program waits for memory about once, not once a step (a
     step's reductions synchronize the program's warps, and loads issued after them wait
     for them); the last step's loads past c_end are masked off (no memory is read).
-    PIPELINE 0 (``matvec_pipeline``): the loads of a step, then its sums."""
+    Else the loads of a step, then its sums (``matvec_pipeline``)."""
     acc = tl.zeros((BN, MP), dtype=tl.float32)
-    if PIPELINE == 1:
+    if PIPELINE:
         w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = _qmv_loads(
             q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c_start, c_end, nqw, ng,
             nsup, KIND, CH)
@@ -353,22 +352,14 @@ def _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, 
             x_lo, x_hi, xd = n_x_lo, n_x_hi, n_xd
     else:
         for c0 in range(c_start, c_end, CH):
-            acc += _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows,
-                             rmask, c0, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP)
+            w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = _qmv_loads(
+                q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0, c_end, nqw, ng,
+                nsup, KIND, CH)
+            x_lo, x_hi, xd = _qmv_x1(xq_ptr, xd_ptr, c0, c_end, KW, M, CH)
+            acc += _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x_lo,
+                             x_hi, xd, xq_ptr, xd_ptr, c0, c_end, KW, M, MP, KIND, BN, CH,
+                             INTERP)
     return acc
-
-
-@triton.jit
-def _qmv_step(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0,
-              c_end, KW, nqw, ng, nsup, M: tl.constexpr, MP: tl.constexpr,
-              KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr):
-    """One step of a mat-vec: its loads, then its sums, (BN, MP)."""
-    w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin = _qmv_loads(
-        q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0, c_end, nqw, ng, nsup,
-        KIND, CH)
-    x_lo, x_hi, xd = _qmv_x1(xq_ptr, xd_ptr, c0, c_end, KW, M, CH)
-    return _qmv_sums(w_lo, w_hi, h_lo, h_hi, a_lo, a_hi, b_lo, b_hi, dd, dmin, x_lo, x_hi, xd,
-                     xq_ptr, xd_ptr, c0, c_end, KW, M, MP, KIND, BN, CH, INTERP)
 
 
 @triton.jit
@@ -1130,30 +1121,26 @@ def _matvec_tile(op: str, p: Planes, device, run) -> tuple[int, int, int, int]:
     tile = bn, ch, warps, (PROGRAMS_PER_SM if n_chunks >= SPLIT_MIN_CHUNKS else 0)
     if p.kind in MATVEC_TILES:  # (a sweep's or a test's: not timed)
         return tile
-    mode = matvec_pipeline(1)
-    key = (op, p.kind, p.rows, n_chunks) + (() if mode == 1 else (f"pipeline{mode}",))
+    key = (op, p.kind, p.rows, n_chunks) + (() if matvec_pipeline(1) else ("unpipelined",))
     return tuning.choose(device, key, matvec_candidates(n_chunks), run, tile)
 
 
-def matvec_pipeline(tokens: int) -> int:
-    """How a mat-vec over ``tokens`` tokens runs its loop over K (``_qmv_rows``): 1, each
-    step's loads issued into registers a step ahead (a lone token's default: decode); 0,
-    a step's loads then its sums (2-8 tokens' default: carrying the weights would take the
-    stacked gate+up from 138 registers to 181 at 8 tokens). The sums are the same, in the
-    same order, in both. EDGELLM_MATVEC_PIPELINE=0 or 1 chooses (for an A/B on a GPU; 1
-    leaves 2-8 tokens at 0), read at the first mat-vec and kept
-    in ``_pipeline_mode`` (every launch asks, twice: 1.4 us a read of the environment;
-    clear it to read it again)."""
-    mode = _pipeline_mode.get("env")
-    if mode is None:
-        value = os.environ.get("EDGELLM_MATVEC_PIPELINE", "1")
-        mode = _pipeline_mode["env"] = int(value) if value in ("0", "1") else 1
-    return 0 if mode == 1 and tokens > 1 else mode
+def matvec_pipeline(tokens: int) -> bool:
+    """Does a mat-vec over ``tokens`` tokens load each step a step ahead (``_qmv_rows``)?
+    A lone token's does (decode), unless EDGELLM_MATVEC_PIPELINE=0 (an A/B on a GPU: the
+    same sums in the same order either way); 2-8 tokens' do not (carrying the weights
+    would take the stacked gate+up from 138 registers to 181 at 8 tokens). The variable
+    is read at the first mat-vec and kept in ``_pipeline_mode`` (every launch asks,
+    twice: 1.4 us a read of the environment; clear it to read it again)."""
+    on = _pipeline_mode.get("env")
+    if on is None:
+        on = _pipeline_mode["env"] = os.environ.get("EDGELLM_MATVEC_PIPELINE", "1") != "0"
+    return on and tokens == 1
 
 
 _sm_counts: dict = {}
 _pdl_devices: dict = {}  # device -> launch with PDL there (``_pdl``)
-_pipeline_mode: dict = {}  # "env" -> EDGELLM_MATVEC_PIPELINE's mode (``matvec_pipeline``)
+_pipeline_mode: dict = {}  # "env" -> EDGELLM_MATVEC_PIPELINE is not "0" (``matvec_pipeline``)
 _split_counters: dict = {}  # device -> int32 counters (split-K mat-vec, attention; self-resetting)
 
 

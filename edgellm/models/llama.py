@@ -362,15 +362,19 @@ class Model:
     def _replayed_batch(self, graphs, tokens: list[np.ndarray], caches: list[KVCache],
                         want: list[bool]) -> list[np.ndarray | None] | None:
         """``forward_batch`` as each sequence's own graph replay, or None (nothing run)
-        where a cache cannot take its tokens (the eager path raises ContextOverflow before
-        writing any) or cannot have graphs without evicting another's."""
+        where a cache cannot have graphs without evicting another's or, with several
+        sequences, cannot take its tokens (the eager path raises ContextOverflow before
+        writing any; a lone sequence's replay raises it as early)."""
         pairs = list(zip(tokens, caches, strict=True))
-        if not all(c.fits(len(t)) for t, c in pairs) or any(
-                graphs.graph_for_step(self, len(t), c, evict=False) is None for t, c in pairs):
+        if len(pairs) > 1 and (not all(c.fits(len(t)) for t, c in pairs) or any(
+                graphs.graph_for_step(self, len(t), c, evict=False) is None
+                for t, c in pairs)):
             return None
         out = []
         for (t, c), w in zip(pairs, want, strict=True):
             logits = graphs.forward(self, t, c, evict=False)
+            if logits is None:  # (a lone sequence, not checked above: nothing was run)
+                return None
             out.append(logits[-1] if w else None)
         return out
 
