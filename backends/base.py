@@ -73,6 +73,15 @@ class Backend(ABC):
     def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array:
         """A zero-filled array: the KV cache's storage (dtype "float32" or "float16")."""
 
+    def kv_storage(self, owner: Any, layout: list[tuple[Any, tuple[int, int, int]]],
+                   dtype: str) -> list[tuple[Array, Array]] | None:
+        """Keys and values for a new float cache of ``owner`` (a model): one (keys, values)
+        pair per layer, each of the layout's shape ``(slots, KVH, hd)`` and zero-filled; or
+        None, for each layer to take ``zeros``. A backend whose graphs keep a cache's storage
+        past its life (torch's) hands it to the next cache of that layout here, so no cache
+        is ever held twice."""
+        return None
+
     def index(self, idx: np.ndarray) -> Any:
         """Integer indices (n,) as this backend's arrays take them in ``a[idx]`` and
         ``a[idx] = b`` (the KV cache's slot writes): numpy's own here; MLX wants its own."""

@@ -235,12 +235,14 @@ class FloatStore:
 
     in_place = True  # read() returns the storage itself
 
-    def __init__(self, backend, slots: int, n_kv_heads: int, head_dim: int, dtype: str):
+    def __init__(self, backend, slots: int, n_kv_heads: int, head_dim: int, dtype: str,
+                 storage: tuple[Any, Any] | None = None):
         shape = (slots, n_kv_heads, head_dim)
         self.backend = backend
         self.dtype = dtype  # of the arrays read() returns
-        self.keys = backend.zeros(shape, dtype)
-        self.values = backend.zeros(shape, dtype)
+        # (the backend's own zeroed storage, when it has some to give: ``kv_storage``)
+        self.keys, self.values = storage or (backend.zeros(shape, dtype),
+                                             backend.zeros(shape, dtype))
 
     @property
     def nbytes(self) -> int:
@@ -309,11 +311,13 @@ class Q8Store:
 class LayerCache:
     """Keys and values of one attention layer, laid out as its ``LayerPlan`` says."""
 
-    def __init__(self, backend, spec: LayerSpec, plan: LayerPlan, dtype: str = "float16"):
+    def __init__(self, backend, spec: LayerSpec, plan: LayerPlan, dtype: str = "float16",
+                 storage: tuple[Any, Any] | None = None):
         self.backend, self.spec, self.plan = backend, spec, plan
         self.store = (Q8Store(backend, plan.slots, spec.n_kv_heads, spec.head_dim)
                       if dtype == "q8_0" else
-                      FloatStore(backend, plan.slots, spec.n_kv_heads, spec.head_dim, dtype))
+                      FloatStore(backend, plan.slots, spec.n_kv_heads, spec.head_dim, dtype,
+                                 storage))
         self.slot_pos = np.full(plan.slots, -1, dtype=np.int64)  # position held by each slot
         self.offset = 0
         sink_shape = (plan.keep, spec.n_kv_heads, spec.head_dim)
@@ -609,11 +613,17 @@ class KVCache:
 
 
 def build_cache(backend, specs: list[LayerSpec], config: CacheConfig,
-                default_tokens: int = DEFAULT_CONTEXT) -> KVCache:
-    """Plan, then allocate, a cache for layers ``specs``."""
+                default_tokens: int = DEFAULT_CONTEXT, owner: Any = None) -> KVCache:
+    """Plan, then allocate, a cache for layers ``specs`` (of ``owner``, a model: whose
+    earlier caches' storage the backend may hand on, ``Backend.kv_storage``)."""
     plan = plan_cache(specs, config, default_tokens)
-    layers = [LayerCache(backend, s, p, config.dtype)
-              for s, p in zip(specs, plan.layers, strict=True)]
+    storage = None
+    if config.dtype != "q8_0" and owner is not None:
+        layout = [(p, (p.slots, s.n_kv_heads, s.head_dim))
+                  for s, p in zip(specs, plan.layers, strict=True)]
+        storage = backend.kv_storage(owner, layout, config.dtype)
+    layers = [LayerCache(backend, s, p, config.dtype, storage[i] if storage else None)
+              for i, (s, p) in enumerate(zip(specs, plan.layers, strict=True))]
     return KVCache(layers, plan)
 
 

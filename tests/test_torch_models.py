@@ -168,6 +168,67 @@ def test_graph_steps_equal_plain_steps(tmp_path, qtype_name, window, triton):
     assert graphs.captures == (len(g.buckets) if graphs.capture else 0)
 
 
+def test_a_cache_and_its_graphs_share_one_storage(tmp_path):
+    """A KV cache is never held twice: a cache's first graph takes the cache's own storage
+    (made with the graphs' spare row), a new cache after it is made in the storage of the
+    graph whose cache is gone (zeroed, and adopted at its first step with nothing copied),
+    a cache made while that graph is claimed gets its own, and a cache that adopts an
+    orphan later copies its rows in. Each replays as its eager twin does."""
+    import gc
+
+    from edgellm.backends.torch.backend import KVStorage
+    from edgellm.cache import CacheConfig
+    from edgellm.quants import Q
+
+    backend = _graph_backend()
+    graphs = backend.graphs
+    net = _tiny_net(tmp_path, Q.Q8_0, backend, layers=2)
+    config = CacheConfig(max_tokens=48)
+    prompt, steps = np.array([1 + (11 * i) % 250 for i in range(16)]), [11, 40, 7]
+
+    def pointers(cache):  # (and the storage still converts what is written into it)
+        assert all(isinstance(t, KVStorage) for layer in cache.layers
+                   for t in (layer.store.keys, layer.store.values))
+        return [(layer.store.keys.data_ptr(), layer.store.values.data_ptr())
+                for layer in cache.layers]
+
+    def run(cache):
+        return np.concatenate([net.forward(prompt, cache), _decode(net, cache, steps)])
+
+    backend.graphs = None
+    eager = run(net.make_cache(config=config))
+    backend.graphs = graphs
+
+    first = net.make_cache(config=config)
+    made = pointers(first)
+    np.testing.assert_allclose(run(first), eager, rtol=1e-4, atol=1e-4)
+    [g] = graphs._graphs[id(net)]
+    assert [(k.data_ptr(), v.data_ptr()) for k, v in g.stores] == made == pointers(first)
+
+    del first
+    gc.collect()
+    second = net.make_cache(config=config)  # in g's storage, emptied
+    assert pointers(second) == made
+    assert all(not layer.store.keys.any() and not layer.store.values.any()
+               for layer in second.layers)
+    third = net.make_cache(config=config)  # g is claimed by the second: its own storage
+    assert not set(sum(pointers(third), ())) & set(sum(made, ()))
+    np.testing.assert_allclose(run(second), eager, rtol=1e-4, atol=1e-4)
+    assert graphs._graphs[id(net)] == [g] and g.owner() is second
+
+    del second
+    gc.collect()
+    np.testing.assert_allclose(run(third), eager, rtol=1e-4, atol=1e-4)  # adopts g: copied
+    assert graphs._graphs[id(net)] == [g] and pointers(third) == made
+
+    del third
+    gc.collect()
+    unstepped = net.make_cache(config=config)
+    del unstepped  # a claim ends with its cache
+    gc.collect()
+    assert pointers(net.make_cache(config=config)) == made
+
+
 @pytest.mark.skipif(CUDA, reason="counts the eager twin's launches (on CUDA: one replay)")
 @pytest.mark.parametrize("unfuse,extra", [("", None), ("glu", "_then_q8_kernel"),
                                           ("kv_write", "_store_kv_kernel"),

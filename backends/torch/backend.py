@@ -286,6 +286,13 @@ class TorchBackend(Backend):
         t = torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device)
         return t.as_subclass(KVStorage)
 
+    def kv_storage(self, owner, layout, dtype: str):
+        """With graphs: a new cache's storage in the graphs' own tensors (``StepGraphs.
+        storage_for``), so that a graph takes or hands on a cache's storage, never a copy."""
+        if self.graphs is None:
+            return None
+        return self.graphs.storage_for(owner, layout, getattr(torch, dtype))
+
     def index(self, idx) -> torch.Tensor:
         """Integer indices as a device int64 tensor (the cache's slot writes)."""
         return self._index(idx)

@@ -183,7 +183,7 @@ class Model:
         if dtype:
             config = replace(config, dtype=dtype)
         return build_cache(self.backend, self.cache_specs(), config,
-                           default_tokens=default_context(self.args.context_length))
+                           default_tokens=default_context(self.args.context_length), owner=self)
 
     @property
     def block_plans(self) -> list:
