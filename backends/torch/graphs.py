@@ -64,8 +64,11 @@ from .backend import KVStorage
 
 log = logging.getLogger(__name__)
 
-#: graphs kept per model (each holds its own KV storage; their buckets share a memory pool)
-MAX_GRAPHS_PER_MODEL = 4
+#: graphs kept per model: the engine's default slots (``engine.DEFAULT_MAX_SEQS``), so that
+#: none of a server's caches runs eagerly. A graph's KV storage is its cache's own
+#: (``storage_for``); what a graph adds is its buckets' step buffers and logits (their
+#: buckets share one memory pool)
+MAX_GRAPHS_PER_MODEL = 8
 #: token counts a step is captured for: decode, then prompt slices up to Model's PREFILL_CHUNK
 #: (8: the mat-vec's largest count, so that 2..8 tokens multiply as eagerly, in integers)
 BUCKETS = (1, 8, 16, 64, 128, 256, 512)
