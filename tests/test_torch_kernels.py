@@ -597,6 +597,20 @@ def test_matmuls_stack_neighbours_of_one_type(n, fused, monkeypatch):  # GEMM; f
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's workspace: CUDA")
+def test_a_new_backend_allocates_nothing():
+    """Making a CUDA backend allocates no device memory: its probe of cuBLAS's f32-output
+    GEMM waits for the first prompt GEMM (a probe at load gave the default stream a cuBLAS
+    workspace, 16 MiB on an H100, that the model's steps never used)."""
+    from edgellm.backends.torch.backend import TorchBackend
+
+    torch.cuda.synchronize()  # (run alone, no GEMM has made the default stream one yet)
+    before = torch.cuda.memory_allocated()
+    TorchBackend(device="cuda")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 2**20
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's f32-output GEMM: CUDA")
 def test_prefill_gemm_writes_f32_sums():
     """A prompt's GEMM (f16 tiles) writes its f32 sums (``torch.mm(.., out_dtype)``): f32
@@ -605,7 +619,7 @@ def test_prefill_gemm_writes_f32_sums():
     from edgellm.backends.torch.backend import TorchBackend
 
     be = TorchBackend(device="cuda", graphs=False)
-    assert be._gemm_writes_f32, "this torch's CUDA mm takes no out_dtype (torch >= 2.8)"
+    assert be.gemm_writes_f32(), "this torch's CUDA mm takes no out_dtype (torch >= 2.8)"
     tensor = random_tensor(Q.Q4_K, 96, 512, seed=5)
     w = be.prepare(tensor)
     x = np.random.default_rng(5).standard_normal((24, 512)).astype(np.float32)

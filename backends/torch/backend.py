@@ -196,10 +196,11 @@ class TorchBackend(Backend):
 
             self.kernels = kernels
         # prefill GEMMs over dequantized weights: f16 on a GPU (CPU f16 GEMMs are slow),
-        # writing f32 where this torch's cuBLAS GEMM can (no cast launch after each one)
+        # writing f32 where this torch's cuBLAS GEMM can (no cast launch after each one;
+        # None: not yet probed, ``gemm_writes_f32``)
         self._gemm_dtype = torch.float16 if self.cuda else torch.float32
-        self._gemm_writes_f32 = (self.cuda and os.environ.get("EDGELLM_GEMM_F32_OUT", "1") != "0"
-                                 and _mm_writes_f32(self.device))
+        self._gemm_writes_f32 = (None if self.cuda and os.environ.get("EDGELLM_GEMM_F32_OUT",
+                                                                      "1") != "0" else False)
         self.ggml_numerics = self.kernels is None if ggml_numerics is None else ggml_numerics
         if self.ggml_numerics and self.kernels is not None:
             raise ValueError("torch backend: ggml_numerics is for CPU torch without triton")
@@ -424,7 +425,18 @@ class TorchBackend(Backend):
             out = xa @ w.dense.T
             return out + bias if bias is not None else out
         return self.kernels.prompt_matmul(xa.to(self._gemm_dtype), w.planes, bias,
-                                          self.fused_gemm, self._gemm_writes_f32)
+                                          self.fused_gemm, self.gemm_writes_f32())
+
+    def gemm_writes_f32(self) -> bool:
+        """Does a prompt's cuBLAS GEMM write its f32 sums (``_mm_writes_f32``)? Probed at
+        the first GEMM, not at load: the probe's GEMM makes cuBLAS a workspace for the
+        stream it runs on, and at load that was the default stream, which a model's steps
+        (warmed up and captured on the graphs' own stream) never use. A loaded Gemma 3 held
+        exactly 16 MiB more than its weights on an H100, that workspace by its size. (The
+        first GEMM runs in a graph's warm-up, never in a capture, which repeats it.)"""
+        if self._gemm_writes_f32 is None:
+            self._gemm_writes_f32 = _mm_writes_f32(self.device)
+        return self._gemm_writes_f32
 
     def _like_ggml(self, fn, *args) -> torch.Tensor:
         """numpy-ggml's ``fn`` over CPU tensors (numpy views of them, no copies)."""
