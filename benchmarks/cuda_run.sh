@@ -17,7 +17,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests+plaintests llama bench pipeline pdl plainbench pdlprompt tune ab fusions ctx sampling engine profile prefill mem memwhere matvec sweep"}
+STEPS=${STEPS:-"tests+plaintests llama bench pipeline pdl plainbench pdlprompt tune ab fusions ctx sampling engine profile prefill mem memwhere memctx matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -254,6 +254,15 @@ step_mem() {  # device memory at peak and pp512: cuBLAS's workspace 32 MiB again
 # where the peak device memory goes (allocation history grouped by our line; after `bench`,
 # whose tuning it reuses): Gemma, the model furthest over 1.2x, then the 1.5B
 step_memwhere() { per_model memory benchmarks/torch_memory.py 24 "$GEMMA" "$LARGE"; }
+
+# the same at a chat's cache (4,096 tokens: the 1.5B's KV is 117 MB, where a cache held twice
+# would show)
+step_memctx() {
+    enough 60 memctx || return
+    echo "== memory at 4096 tokens $(name "$LARGE")"
+    timeout "$(limit 90)" python3 benchmarks/torch_memory.py "$LARGE" --ctx 4096 2>&1 \
+        | tee "$LOGS/memctx-$(name "$LARGE").txt" | tail -n 24
+}
 
 step_matvec() {
     echo "== mat-vec GB/s"

@@ -4,7 +4,7 @@ a sampled decode), and at the peak, the live allocations grouped by the line of 
 torch's, where none of ours is on the stack) that made them, from torch's allocation history.
 Needs CUDA.
 
-    python benchmarks/torch_memory.py MODEL.gguf [--prompt 512] [--gen 128] [--top 16]
+    python benchmarks/torch_memory.py MODEL.gguf [--prompt 512] [--gen 128] [--top 16] [--ctx N]
 
 Run it after a bench on the same card (``$EDGELLM_HOME/tuning``): kernel tuning allocates
 its own buffers (a 256 MiB L2 flush among them), which the bench's peak leaves out and
@@ -22,6 +22,7 @@ import numpy as np
 
 import edgellm
 from edgellm.bench import _time_prompt, time_generation
+from edgellm.modelinfo import read_header
 
 OURS = ("/edgellm/", "/backends/", "/benchmarks/")
 TIMING = ("tuning.py", "triton/testing.py")
@@ -71,6 +72,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--top", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=0,
+                    help="the caches' budget in tokens (default: the bench's, prompt + gen + 16)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("torch_memory.py needs CUDA")
@@ -88,13 +91,15 @@ def main() -> None:
 
     net = model.net
     phase("load")
-    size = args.prompt + args.gen + 16
+    size = args.ctx or args.prompt + args.gen + 16
 
     def make_cache():
         return model.make_cache(size)
 
-    kept = make_cache()
-    phase("cache (kept)")
+    cache = make_cache()
+    kv = cache.nbytes
+    phase("a cache")
+    del cache
     tokens = np.random.default_rng(0).integers(100, min(model.args.vocab_size, 30000),
                                                args.prompt)
     _time_prompt(net, make_cache, tokens)
@@ -111,7 +116,6 @@ def main() -> None:
         next(steps)
     steps.close()
     phase("16 sampled tokens")
-    del kept
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     events = [e for trace in snapshot["device_traces"] for e in trace]
@@ -120,6 +124,9 @@ def main() -> None:
           f"(tuning's allocations left out)")
     for where, nbytes, count in by_origin(live)[:args.top]:
         print(f"  {nbytes / mib:8.2f} MiB  {count:5d}  {where}")
+    gguf = read_header(args.model).gguf_bytes
+    print(f"peak over GGUF + KV ({size} tokens): {model.backend.device_memory()['peak']:,} / "
+          f"({gguf:,} + {kv:,}) = {model.backend.device_memory()['peak'] / (gguf + kv):.3f}x")
     model.close()
 
 
