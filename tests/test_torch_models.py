@@ -553,6 +553,15 @@ def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
         for layer, layer_e in zip(c.layers, e.layers, strict=True):
             assert layer.offset == layer_e.offset
             assert np.array_equal(layer.slot_pos, layer_e.slot_pos)
+    # the two graphs share what one replay at a time allows: the logits and each bucket's
+    # device inputs (the host sets are each bucket's own)
+    first, second = graphs._graphs[id(net)]
+    assert first.buckets.keys() == second.buckets.keys()
+    for key, b in first.buckets.items():
+        other = second.buckets[key]
+        assert b.logits is other.logits
+        assert b.dev_i64 is other.dev_i64 and b.dev_masks is other.dev_masks
+        assert b.host.i64.data_ptr() != other.host.i64.data_ptr()
     replays.clear()
     third = net.make_cache(64)  # the cap is 2: a batch with it runs eagerly
     mixed = net.forward_batch([(np.array([4]), caches[0]), (np.array([1, 2]), third)])

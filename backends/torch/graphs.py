@@ -8,7 +8,9 @@ A step of n tokens runs the graph of the smallest bucket (``BUCKETS``) that hold
 at its position, write their keys to a spare row of the KV storage that no query reads, and
 their outputs are dropped (every op but attention works row by row, and attention masks
 them). A graph is captured once per model, cache layout and bucket, and replayed for every
-step after; all of a cache's buckets share its KV storage and one memory pool.
+step after; all of a cache's buckets share its KV storage and one memory pool, and all of a
+model's graphs (one replays at a time) one logits buffer and, per layout and bucket, the
+step inputs' device buffers.
 
 What changes from step to step lives in static device buffers filled from pinned host
 memory before each replay: tokens, positions, the last real row, each distinct layout's
@@ -214,6 +216,11 @@ class StepGraphs:
         self.capture = backend.cuda
         self._graphs: dict[int, list[_Graph]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # what every graph of a model shares, as only one replays at a time: the logits
+        # (1, vocab) every step writes (by model id; a bucket's own would be 1 MB each for
+        # Gemma 3's vocabulary), the step inputs' device buffers (by layout and bucket)
+        self._logits: dict[int, torch.Tensor] = {}
+        self._step_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # every warm-up and capture on one stream: cuBLAS keeps a workspace per stream
         # (32 MiB on Hopper), which a new stream per capture would add each time
         self._stream = torch.cuda.Stream(self.backend.device) if self.capture else None
@@ -232,8 +239,8 @@ class StepGraphs:
         if g is None:
             return None
         b = self._launch(model, g, bucket_for(len(tokens)), cache, tokens)
-        if not self.capture:
-            return b.logits.cpu().numpy()
+        if not self.capture:  # (the caller's own: the logits buffer is every step's)
+            return b.logits.numpy().copy()
         if b.host_logits is None:  # pinned: a DMA straight into it (pageable: staged)
             b.host_logits = torch.empty(b.logits.shape, dtype=b.logits.dtype, pin_memory=True)
         b.host_logits.copy_(b.logits, non_blocking=True)
@@ -376,7 +383,7 @@ class StepGraphs:
             b.graph.replay()
         else:
             self.backend._rope_memo = (None, {})  # same positions tensor, new values
-            b.logits = _step(model, *b.inputs)
+            b.logits = self._shared_logits(model, _step(model, *b.inputs))
             b.best_logit, b.best_id = _greedy(b.logits)
         if draw is not None:
             self._sample_after(b, draw)
@@ -411,6 +418,15 @@ class StepGraphs:
         graph, b.sampled = self._record(lambda: _sample(b.logits, b.dev_knobs),
                                         lambda: _sample(b.logits, b.dev_knobs))
         return graph
+
+    def _shared_logits(self, model, logits: torch.Tensor) -> torch.Tensor:
+        """A step's logits copied into the model's one logits buffer (made at the first
+        capture: in the graphs' pool, kept), which its readers (the host's copy, the
+        sampler's graph, the greedy argmax) take before the next replay, in stream order."""
+        shared = self._logits.get(id(model))
+        if shared is None or shared.shape != logits.shape or shared.dtype != logits.dtype:
+            shared = self._logits[id(model)] = torch.empty_like(logits)
+        return shared.copy_(logits)
 
     def _record(self, warm_up, work) -> tuple[torch.cuda.CUDAGraph, object]:
         """``warm_up()`` on the side stream, then ``work()`` captured there as a graph in the
@@ -539,9 +555,14 @@ class StepGraphs:
         host_masks = torch.zeros(total, dtype=torch.bool)
         if self.capture:  # pinned: copied to the device without a stall
             host_i64, host_masks = host_i64.pin_memory(), host_masks.pin_memory()
-        dev = self.backend.device
-        return _Bucket(size, _HostSet(host_i64, host_masks), host_i64.to(dev),
-                       host_masks.to(dev), spans)
+        # the device's copies are shared by every graph of this layout: each launch fills
+        # all of them, stream-ordered after the replay before (the host sets are the
+        # bucket's own: a launch's copy from them may still be under way)
+        key = (g.signature, size, layout)
+        if key not in self._step_inputs:
+            dev = self.backend.device
+            self._step_inputs[key] = (host_i64.to(dev), host_masks.to(dev))
+        return _Bucket(size, _HostSet(host_i64, host_masks), *self._step_inputs[key], spans)
 
     def _inputs(self, g: _Graph, b: _Bucket) -> tuple:
         """(ids (B,), positions (B,), last (1,), per-layer views) over b's device buffers."""
@@ -586,7 +607,7 @@ class StepGraphs:
 
         def step():
             self.backend._rope_memo = (None, {})  # tables must be computed inside the graph
-            logits = _step(model, *b.inputs)
+            logits = self._shared_logits(model, _step(model, *b.inputs))
             return logits, _greedy(logits)
 
         b.graph, (b.logits, (b.best_logit, b.best_id)) = self._record(
