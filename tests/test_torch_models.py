@@ -229,6 +229,48 @@ def test_a_cache_and_its_graphs_share_one_storage(tmp_path):
     assert pointers(net.make_cache(config=config)) == made
 
 
+def test_threads_sharing_a_models_graphs_get_their_solo_steps(tmp_path):
+    """Two threads stepping their own caches through one model's graphs at once (``generate``
+    on a shared Model: one through ``forward``, one through the device's greedy stream)
+    get the steps each gets alone: the graphs' shared buffers (logits, step inputs) serve
+    one thread's step at a time (``StepGraphs._lock``)."""
+    import threading
+
+    from edgellm.quants import Q
+
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q.Q8_0, backend, layers=2)
+    prompt = np.array([1 + (7 * i) % 250 for i in range(16)])
+    steps = [3 + (5 * i) % 250 for i in range(40)]
+
+    def by_forward():
+        cache = net.make_cache(96)
+        return np.concatenate([net.forward(prompt, cache), _decode(net, cache, steps)])
+
+    def by_stream():
+        cache = net.make_cache(96)
+        net.forward(prompt[:9], cache)
+        tokens = net.greedy_tokens(int(prompt[9]), cache)
+        out = [next(tokens) for _ in range(40)]
+        tokens.close()
+        return out
+
+    alone = [by_forward(), by_stream()]
+    together: list = [None, None]
+
+    def run(i, fn):
+        together[i] = fn()
+
+    threads = [threading.Thread(target=run, args=(i, fn))
+               for i, fn in enumerate((by_forward, by_stream))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    np.testing.assert_array_equal(together[0], alone[0])
+    assert together[1] == alone[1]
+
+
 @pytest.mark.skipif(CUDA, reason="counts the eager twin's launches (on CUDA: one replay)")
 @pytest.mark.parametrize("unfuse,extra", [("", None), ("glu", "_then_q8_kernel"),
                                           ("kv_write", "_store_kv_kernel"),

@@ -50,8 +50,10 @@ generator a step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -203,6 +205,15 @@ def bucket_for(n: int) -> int | None:
     return next((b for b in BUCKETS if b >= n), None)
 
 
+def _locked(method):
+    """``method`` under its StepGraphs' lock (re-entrant: one locked method calls another)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class StepGraphs:
     """Captures and replays forward steps of up to 512 tokens for a TorchBackend on CUDA.
 
@@ -222,12 +233,18 @@ class StepGraphs:
         self._logits: dict[int, torch.Tensor] = {}
         self._step_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # every warm-up and capture on one stream: cuBLAS keeps a workspace per stream
-        # (32 MiB on Hopper), which a new stream per capture would add each time
+        # (16 MiB on an H100 under torch 2.11), which a new stream per capture would add
         self._stream = torch.cuda.Stream(self.backend.device) if self.capture else None
+        # held (``_locked``) from a step's input copies until its outputs' reads are
+        # queued, and over the books of graphs and storage: the shared buffers serve one
+        # thread's step at a time (``generate`` on a shared Model from several threads,
+        # beside the engine's thread), and the GPU runs the steps in the order queued
+        self._lock = threading.RLock()
         self.capture_seconds = 0.0  # total time spent capturing (reported apart from speed;
         # the warm-up's kernel tuning, reported as tune_s, excluded)
         self.captures = 0
 
+    @_locked
     def forward(self, model, tokens: np.ndarray, cache: KVCache,
                 evict: bool = True) -> np.ndarray | None:
         """Logits (1, vocab) of the last of ``tokens``, as ``model.forward`` returns them;
@@ -318,6 +335,7 @@ class StepGraphs:
                 self._read_back(ahead)
                 cache.trim(1)
 
+    @_locked
     def _queue_decode(self, model, g: _Graph, cache: KVCache, tokens: np.ndarray | None,
                        draw: _Draw | None = None) -> _HostSet:
         """Queue one decode step (its token from the host, or None: the previous step's
@@ -474,6 +492,7 @@ class StepGraphs:
             i64[_span_index(size, len(g.groups), gi)] = width - int(np.argmax(seen[::-1]))
 
     # -- graphs ----------------------------------------------------------------------------
+    @_locked
     def _graph_for(self, model, cache: KVCache, evict: bool = True) -> _Graph | None:
         """The cache's graphs (adopted or new at its first step); None for a cache that
         cannot run as graphs (``supported``: checked once, its layout never changes), or
@@ -522,6 +541,7 @@ class StepGraphs:
         return _Graph(sig, weakref.ref(cache), group_list, stores)
 
     # -- KV storage --------------------------------------------------------------------------
+    @_locked
     def storage_for(self, model, layout: list, dtype: torch.dtype) -> list[tuple] | None:
         """Zeroed storage for a new cache of ``model`` (``Backend.kv_storage``; ``layout``:
         (plan, (slots, KVH, hd)) per layer): the storage of a graph of that layout whose
