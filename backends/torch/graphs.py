@@ -244,6 +244,11 @@ class StepGraphs:
         # the warm-up's kernel tuning, reported as tune_s, excluded)
         self.captures = 0
 
+    def exclusive(self) -> threading.RLock:
+        """The graphs' lock, for a caller whose several steps must see no other thread's
+        (``Model.forward_batch``: its check that every cache has graphs, then their steps)."""
+        return self._lock
+
     @_locked
     def forward(self, model, tokens: np.ndarray, cache: KVCache,
                 evict: bool = True) -> np.ndarray | None:

@@ -366,16 +366,17 @@ class Model:
         sequences, cannot take its tokens (the eager path raises ContextOverflow before
         writing any; a lone sequence's replay raises it as early)."""
         pairs = list(zip(tokens, caches, strict=True))
-        if len(pairs) > 1 and (not all(c.fits(len(t)) for t, c in pairs) or any(
-                graphs.graph_for_step(self, len(t), c, evict=False) is None
-                for t, c in pairs)):
-            return None
-        out = []
-        for (t, c), w in zip(pairs, want, strict=True):
-            logits = graphs.forward(self, t, c, evict=False)
-            if logits is None:  # (a lone sequence, not checked above: nothing was run)
+        with graphs.exclusive():  # (another thread's step cannot evict between check and run)
+            if len(pairs) > 1 and (not all(c.fits(len(t)) for t, c in pairs) or any(
+                    graphs.graph_for_step(self, len(t), c, evict=False) is None
+                    for t, c in pairs)):
                 return None
-            out.append(logits[-1] if w else None)
+            out = []
+            for (t, c), w in zip(pairs, want, strict=True):
+                logits = graphs.forward(self, t, c, evict=False)
+                if logits is None:  # (a lone sequence, not checked above: nothing was run)
+                    return None
+                out.append(logits[-1] if w else None)
         return out
 
     def _attention_batch(self, i: int, w: AttentionWeights, x, positions: np.ndarray,
