@@ -229,6 +229,40 @@ def test_a_cache_and_its_graphs_share_one_storage(tmp_path):
     assert pointers(net.make_cache(config=config)) == made
 
 
+def test_orphaned_graphs_make_room_first_and_stay_few(tmp_path, monkeypatch):
+    """Graphs whose cache is gone (orphans, each holding that cache's storage for the next
+    cache of its layout) are the first to go when a graph needs room, oldest first, and
+    at most MAX_ORPHANS_PER_MODEL of them stay; live caches' graphs go only after them."""
+    import gc
+
+    from edgellm.backends.torch import graphs as graphs_module
+    from edgellm.quants import Q
+
+    monkeypatch.setattr(graphs_module, "MAX_GRAPHS_PER_MODEL", 3)
+    monkeypatch.setattr(graphs_module, "MAX_ORPHANS_PER_MODEL", 1)
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q.Q8_0, backend, small=True)
+    graphs = backend.graphs
+
+    def stepped(budget):  # a cache of its own layout (budget), through its graphs
+        cache = net.make_cache(budget)
+        net.forward(np.array([1, 2, 3]), cache)
+        return cache
+
+    def layouts():
+        return [g.signature[0][1][0] for g in graphs._graphs[id(net)]]  # (slots)
+
+    for budget in (40, 48, 56):  # each dropped after its step
+        stepped(budget)
+        gc.collect()
+    assert layouts() == [48, 56]  # 40's orphan made room for 56's graph (one orphan kept)
+    live = [stepped(64), stepped(72)]
+    assert layouts() == [56, 64, 72]  # 48's orphan went first, then one stays
+    live.append(stepped(80))  # full: the orphan goes, not a live cache's graphs
+    assert layouts() == [64, 72, 80]
+    assert [g.owner() for g in graphs._graphs[id(net)]] == live
+
+
 def test_threads_sharing_a_models_graphs_get_their_solo_steps(tmp_path):
     """Two threads stepping their own caches through one model's graphs at once (``generate``
     on a shared Model: one through ``forward``, one through the device's greedy stream)

@@ -73,6 +73,9 @@ log = logging.getLogger(__name__)
 #: (``storage_for``); what a graph adds is its buckets' step buffers and logits (their
 #: buckets share one memory pool)
 MAX_GRAPHS_PER_MODEL = 8
+#: of those, graphs whose cache is gone, kept for a new cache of their layout to adopt (the
+#: bench's repetitions, ``generate``'s call after call): each holds its dead cache's storage
+MAX_ORPHANS_PER_MODEL = 2
 #: token counts a step is captured for: decode, then prompt slices up to Model's PREFILL_CHUNK
 #: (8: the mat-vec's largest count, so that 2..8 tokens multiply as eagerly, in integers)
 BUCKETS = (1, 8, 16, 64, 128, 256, 512)
@@ -518,10 +521,8 @@ class StepGraphs:
             if g.signature == sig and g.owner() is None:
                 self._attach(g, cache)
                 return g
-        if len(graphs) >= MAX_GRAPHS_PER_MODEL:
-            if not evict:
-                return None
-            graphs.pop(0)
+        if not _make_room(graphs, evict):
+            return None
         g = self._new_graph(cache, sig)
         graphs.append(g)
         return g
@@ -643,6 +644,22 @@ class StepGraphs:
         tuning = self.backend.tuning_seconds() - tuned
         self.capture_seconds += time.perf_counter() - start - tuning
         self.captures += 1
+
+
+def _make_room(graphs: list[_Graph], evict: bool) -> bool:
+    """Room in a model's graphs for one more (False: none without ``evict``). Graphs whose
+    cache is gone (orphans: their storage waits for a new cache of their layout) go first,
+    oldest first, and at most MAX_ORPHANS_PER_MODEL of them stay (each holds a dead
+    cache's memory); then, with ``evict``, the oldest live cache's graphs."""
+    orphans = [g for g in graphs if g.owner() is None]
+    while orphans and (len(orphans) > MAX_ORPHANS_PER_MODEL
+                       or len(graphs) >= MAX_GRAPHS_PER_MODEL):
+        graphs.remove(orphans.pop(0))
+    if len(graphs) >= MAX_GRAPHS_PER_MODEL:
+        if not evict:
+            return False
+        graphs.pop(0)
+    return True
 
 
 def _own_storage(layer: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
