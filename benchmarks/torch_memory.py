@@ -124,9 +124,9 @@ def main() -> None:
           f"(tuning's allocations left out)")
     for where, nbytes, count in by_origin(live)[:args.top]:
         print(f"  {nbytes / mib:8.2f} MiB  {count:5d}  {where}")
-    gguf = read_header(args.model).gguf_bytes
-    print(f"peak over GGUF + KV ({size} tokens): {model.backend.device_memory()['peak']:,} / "
-          f"({gguf:,} + {kv:,}) = {model.backend.device_memory()['peak'] / (gguf + kv):.3f}x")
+    gguf, top = read_header(args.model).gguf_bytes, model.backend.device_memory()["peak"]
+    print(f"peak over GGUF + KV ({size} tokens): {top:,} / ({gguf:,} + {kv:,}) = "
+          f"{top / (gguf + kv):.3f}x")
     model.close()
 
 

@@ -193,8 +193,15 @@ class _Graph:
 
 
 def _signature(cache: KVCache) -> tuple:
-    return tuple((layer.plan, tuple(layer.store.keys.shape), layer.store.keys.dtype)
-                 for layer in cache.layers)
+    return _layout_signature([(layer.plan, tuple(layer.store.keys.shape))
+                              for layer in cache.layers], cache.layers[0].store.keys.dtype)
+
+
+def _layout_signature(layout: list, dtype: torch.dtype) -> tuple:
+    """What a graph is captured for: (plan, storage shape (slots, KVH, hd), dtype) a layer
+    (``layout``: (plan, shape) a layer), of a cache (``_signature``) or of one about to be
+    made (``storage_for``)."""
+    return tuple((plan, tuple(shape), dtype) for plan, shape in layout)
 
 
 def supported(cache: KVCache) -> bool:
@@ -529,12 +536,14 @@ class StepGraphs:
 
     @staticmethod
     def _attach(g: _Graph, cache: KVCache) -> None:
-        """Make g's storage the cache's: its rows copied in, the cache viewing them."""
-        for layer, (keys, values) in zip(cache.layers, g.stores, strict=True):
-            rows = layer.plan.slots
-            keys[:rows].copy_(layer.store.keys)
-            values[:rows].copy_(layer.store.values)
-            layer.store.keys, layer.store.values = keys[:rows], values[:rows]
+        """Make g's storage the cache's: its rows copied in (unless they are there already:
+        the cache's own storage), the cache viewing them, a layer at a time."""
+        for layer, stores in zip(cache.layers, g.stores, strict=True):
+            rows, store = layer.plan.slots, layer.store
+            for name, full in zip(("keys", "values"), stores, strict=True):
+                if full.data_ptr() != getattr(store, name).data_ptr():
+                    full[:rows].copy_(getattr(store, name))
+                setattr(store, name, full[:rows])
         g.owner = weakref.ref(cache)
 
     def _new_graph(self, cache: KVCache, sig: tuple) -> _Graph:
@@ -543,8 +552,11 @@ class StepGraphs:
             groups.setdefault(layer.plan, []).append(i)
         group_list = [_Group(ids, plan.slots, plan.is_ring)
                       for plan, ids in groups.items()]
-        stores = [_own_storage(layer) for layer in cache.layers]
-        return _Graph(sig, weakref.ref(cache), group_list, stores)
+        stores = [(_with_spare_row(layer.store.keys), _with_spare_row(layer.store.values))
+                  for layer in cache.layers]
+        g = _Graph(sig, weakref.ref(cache), group_list, stores)
+        self._attach(g, cache)
+        return g
 
     # -- KV storage --------------------------------------------------------------------------
     @_locked
@@ -558,7 +570,7 @@ class StepGraphs:
         None for caches graphs do not run (sink tokens)."""
         if any(plan.keep for plan, _ in layout):
             return None
-        sig = tuple((plan, shape, dtype) for plan, shape in layout)
+        sig = _layout_signature(layout, dtype)
         for g in self._graphs.get(id(model), []):
             if g.signature == sig and g.owner() is None:
                 views = [tuple(t.zero_()[:plan.slots] for t in pair)
@@ -662,22 +674,14 @@ def _make_room(graphs: list[_Graph], evict: bool) -> bool:
     return True
 
 
-def _own_storage(layer: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's keys and values as a new graph's (slots + 1, KVH, hd) stores: its own
-    tensors where they have the spare row (``storage_for``'s), else new ones with its rows
-    copied in and the layer moved onto them at once (one layer's copy alive at a time)."""
-    rows, store = layer.plan.slots, layer.store
-    stores = []
-    for name in ("keys", "values"):
-        t = getattr(store, name)
-        full = t._base  # (a plain tensor: a view's base loses the subclass)
-        if full is None or full.shape[0] != rows + 1 or full.data_ptr() != t.data_ptr():
-            full = torch.zeros((rows + 1, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            full[:rows].copy_(t)
-        full = full.as_subclass(type(t))
-        setattr(store, name, full[:rows])
-        stores.append(full)
-    return stores[0], stores[1]
+def _with_spare_row(t: torch.Tensor) -> torch.Tensor:
+    """A graph's store (rows + 1, KVH, hd) for a cache layer's keys or values t (rows, KVH,
+    hd): t's own base where t is a view of one from row 0 (``storage_for``'s), else new
+    zeros that ``_attach`` copies t's rows into."""
+    full = t._base  # (a plain tensor: a view's base loses the subclass)
+    if full is None or full.shape[0] != t.shape[0] + 1 or full.data_ptr() != t.data_ptr():
+        full = torch.zeros((t.shape[0] + 1, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    return full.as_subclass(type(t))
 
 
 def _span_index(size: int, n_groups: int, group: int) -> int:
