@@ -305,6 +305,45 @@ def test_threads_sharing_a_models_graphs_get_their_solo_steps(tmp_path):
     assert together[1] == alone[1]
 
 
+def test_streams_of_two_caches_taken_in_turns_get_their_solo_tokens(tmp_path):
+    """Two caches' device streams (greedy, and sampled on the device) taken a token at a
+    time in turns, so each step run ahead reads its token from the step before after the
+    other cache's graphs replayed: each gets the tokens it gets alone. (On CUDA a
+    captured step's outputs from the graphs' shared pool could lie in the scratch of the
+    other graph, captured before it, whose replay then overwrote them: ``_outputs``.)"""
+    from edgellm.quants import Q
+    from edgellm.sampling import SamplingParams
+
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q.Q8_0, backend, layers=2)
+    prompts = [np.array([1 + (7 * i) % 250 for i in range(9)]),
+               np.array([5 + (11 * i) % 250 for i in range(13)])]
+    params = SamplingParams(seed=7, temperature=0.9, top_k=40)
+
+    def stream(prompt, sampled: bool):
+        cache = net.make_cache(96)
+        net.forward(prompt[:-1], cache)
+        if sampled:
+            return cache, net.sampled_tokens(int(prompt[-1]), cache, params,
+                                             np.random.default_rng(7))
+        return cache, net.greedy_tokens(int(prompt[-1]), cache)
+
+    for sampled in (False, True):
+        alone = []
+        for prompt in prompts:
+            cache, tokens = stream(prompt, sampled)
+            alone.append([next(tokens) for _ in range(24)])
+            tokens.close()
+        pairs = [stream(prompt, sampled) for prompt in prompts]
+        in_turns: list[list[int]] = [[], []]
+        for _ in range(24):
+            for i, (_, tokens) in enumerate(pairs):
+                in_turns[i].append(next(tokens))
+        for _, tokens in pairs:
+            tokens.close()
+        assert in_turns == alone, f"sampled={sampled}"
+
+
 @pytest.mark.skipif(CUDA, reason="counts the eager twin's launches (on CUDA: one replay)")
 @pytest.mark.parametrize("unfuse,extra", [("", None), ("glu", "_then_q8_kernel"),
                                           ("kv_write", "_store_kv_kernel"),

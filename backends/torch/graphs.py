@@ -448,9 +448,22 @@ class StepGraphs:
 
     def _capture_sampler(self, b: _Bucket) -> torch.cuda.CUDAGraph:
         """``_sample`` over b's (static) logits and knobs as a graph, after a warm-up."""
-        graph, b.sampled = self._record(lambda: _sample(b.logits, b.dev_knobs),
-                                        lambda: _sample(b.logits, b.dev_knobs))
+        b.sampled = self._outputs()
+        graph, _ = self._record(lambda: _sample(b.logits, b.dev_knobs),
+                                lambda: _sample(b.logits, b.dev_knobs, out=b.sampled))
         return graph
+
+    def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (1,) float32 and a (1,) int64 on the device, outside the graphs' pool, for a
+        captured step's token and its logit. Captures share one pool, in which blocks a
+        capture freed are another capture's to take: an output allocated inside a capture
+        can lie in the scratch of a graph captured before it, which that graph's replay
+        overwrites. A decode step run ahead reads its token from the step before after
+        other graphs may have replayed (another cache's, on another thread): from the pool,
+        that token could be any number, and the embedding's read of it a fault."""
+        dev = self.backend.device
+        return (torch.empty(1, dtype=torch.float32, device=dev),
+                torch.empty(1, dtype=torch.int64, device=dev))
 
     def _shared_logits(self, model, logits: torch.Tensor) -> torch.Tensor:
         """A step's logits copied into the model's one logits buffer (made at the first
@@ -643,13 +656,15 @@ class StepGraphs:
         one step (a capture runs nothing)."""
         start, tuned = time.perf_counter(), self.backend.tuning_seconds()
 
+        b.best_logit, b.best_id = self._outputs()
+
         def step():
             self.backend._rope_memo = (None, {})  # tables must be computed inside the graph
             logits = self._shared_logits(model, _step(model, *b.inputs))
-            return logits, _greedy(logits)
+            _greedy(logits, out=(b.best_logit, b.best_id))
+            return logits
 
-        b.graph, (b.logits, (b.best_logit, b.best_id)) = self._record(
-            lambda: self._warm_up(model, b), step)
+        b.graph, b.logits = self._record(lambda: self._warm_up(model, b), step)
         self.backend._rope_memo = (None, {})
         torch.cuda.synchronize()
         # kernel variants timed during the warm-up are the tuning's time (``tune_s``)
@@ -734,7 +749,8 @@ class _Draw:
                 float(p.top_k)]
 
 
-def _sample(logits: torch.Tensor, knobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(logits: torch.Tensor, knobs: torch.Tensor,
+            out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``edgellm.sampling``'s chain over logits (1, vocab) on the device with fixed shapes:
     the SAMPLE_CANDIDATES largest logits in token order, those >= the top_k-th (its ties
     too, up to the candidates), top-p over them by probability (ties by token), min-p,
@@ -742,7 +758,8 @@ def _sample(logits: torch.Tensor, knobs: torch.Tensor) -> tuple[torch.Tensor, to
     knobs (5,) f64 = (temperature, top_p, min_p, u, top_k). The host's arithmetic in f64,
     but its sums are not pairwise over the vocabulary: a draw can differ from the host's
     only where u falls within a few ulps of a running sum. Returns (the logits' maximum
-    (1,) f32: NaN or inf marks a fault, as ``_greedy``'s; the token (1,) int64)."""
+    (1,) f32: NaN or inf marks a fault, as ``_greedy``'s; the token (1,) int64), written
+    into ``out`` where given."""
     k = min(SAMPLE_CANDIDATES, logits.shape[-1])
     top, ids = logits[0].topk(k)  # (k,) largest first
     kth = top.gather(0, knobs[4:5].long() - 1).double()  # (1,): the top_k-th largest
@@ -761,11 +778,23 @@ def _sample(logits: torch.Tensor, knobs: torch.Tensor) -> tuple[torch.Tensor, to
     w = torch.where(keep, torch.exp(scaled - scaled.masked_fill(~keep, -math.inf).max()), 0.0)
     running = torch.cumsum(w / w.sum(), 0)
     at = torch.searchsorted(running / running[-1], knobs[3:4], right=True).clamp_(max=k - 1)
-    return top[:1].float(), ids.gather(0, at)
+    if out is None:
+        return top[:1].float(), ids.gather(0, at)
+    out[0].copy_(top[:1])
+    return out[0], torch.gather(ids, 0, at, out=out[1])
 
 
-def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _greedy(logits: torch.Tensor, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The maximum logit (1,) and its index (1,) of logits (1, vocab) in one reduction: the
-    first index among equal maxima, as numpy's argmax; a NaN wins and shows in the value."""
-    best, index = logits[0].max(-1, keepdim=True)
-    return best.float(), index
+    first index among equal maxima, as numpy's argmax; a NaN wins and shows in the value.
+    ``out``: (float32, int64) buffers to write them into (float32 logits: the reduction's
+    own outputs, no copy)."""
+    row = logits[0]  # (vocab,)
+    if out is not None and row.dtype == out[0].dtype:
+        return tuple(torch.max(row, -1, keepdim=True, out=out))
+    best, index = row.max(-1, keepdim=True)
+    if out is None:
+        return best.float(), index
+    out[0].copy_(best)
+    out[1].copy_(index)
+    return out
