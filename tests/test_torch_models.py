@@ -173,7 +173,8 @@ def test_a_cache_and_its_graphs_share_one_storage(tmp_path):
     (made with the graphs' spare row), a new cache after it is made in the storage of the
     graph whose cache is gone (zeroed, and adopted at its first step with nothing copied),
     a cache made while that graph is claimed gets its own, and a cache that adopts an
-    orphan later copies its rows in. Each replays as its eager twin does."""
+    orphan after its prompt ran eagerly copies its rows in. Each replays as its eager twin
+    does."""
     import gc
 
     from edgellm.backends.torch.backend import KVStorage
@@ -192,8 +193,8 @@ def test_a_cache_and_its_graphs_share_one_storage(tmp_path):
         return [(layer.store.keys.data_ptr(), layer.store.values.data_ptr())
                 for layer in cache.layers]
 
-    def run(cache):
-        return np.concatenate([net.forward(prompt, cache), _decode(net, cache, steps)])
+    def run(cache, tokens=prompt):
+        return np.concatenate([net.forward(tokens, cache), _decode(net, cache, steps)])
 
     backend.graphs = None
     eager = run(net.make_cache(config=config))
@@ -216,9 +217,16 @@ def test_a_cache_and_its_graphs_share_one_storage(tmp_path):
     np.testing.assert_allclose(run(second), eager, rtol=1e-4, atol=1e-4)
     assert graphs._graphs[id(net)] == [g] and g.owner() is second
 
+    backend.graphs = None  # the third's prompt (not the second's), eagerly: its rows in
+    other = prompt[::-1].copy()  # its own storage
+    expected = run(net.make_cache(config=config), other)
+    stepped = net.forward(other, third)
+    backend.graphs = graphs
     del second
     gc.collect()
-    np.testing.assert_allclose(run(third), eager, rtol=1e-4, atol=1e-4)  # adopts g: copied
+    # its first decode step adopts g: the prompt's rows are copied into g's storage
+    np.testing.assert_allclose(np.concatenate([stepped, _decode(net, third, steps)]),
+                               expected, rtol=1e-4, atol=1e-4)
     assert graphs._graphs[id(net)] == [g] and pointers(third) == made
 
     del third
