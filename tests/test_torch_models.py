@@ -608,8 +608,9 @@ def test_sampled_tokens_on_the_device_equal_host_sampling(tmp_path, monkeypatch,
 def test_one_sequence_batches_replay_graphs_without_evicting(tmp_path, monkeypatch):
     """Model.forward_batch of one sequence (an engine serving one user) runs through the
     backend's graphs: the logits of the eager batch path, for a prompt chunk and decode
-    steps; a cache whose graphs would evict another live cache's runs eagerly instead, so
-    an engine's slots never capture again by turns."""
+    steps. Past MAX_GRAPHS_PER_MODEL an engine's cache still gets graphs of its own and
+    evicts none (its slots never capture again by turns, and none runs eagerly); a cache
+    stepped directly (``Model.forward``) evicts the oldest."""
     from edgellm.backends.torch import graphs as graphs_module
     from edgellm.quants import Q
 
@@ -633,18 +634,22 @@ def test_one_sequence_batches_replay_graphs_without_evicting(tmp_path, monkeypat
         np.testing.assert_allclose(np.stack(got), np.stack(eager), rtol=1e-4, atol=1e-4)
         assert [int(x.argmax()) for x in got] == [int(x.argmax()) for x in eager]
     owners = [g.owner() for g in graphs._graphs[id(net)]]
-    assert owners == caches[:2]  # the third ran eagerly, evicting neither
+    assert owners == caches  # the third past the cap of 2, evicting neither
+    direct = net.make_cache(64)
+    net.forward(np.array([3]), direct)
+    assert [g.owner() for g in graphs._graphs[id(net)]] == [*caches[1:], direct]
 
 
 def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
     """A batch of several sequences (the engine's concurrent users) replays each one's own
-    graphs, one after another, where every cache has or can have them without evicting
-    another's: the logits of the eager batch (a prompt chunk beside a decode token, then
-    decode steps), each cache's books as after the eager batch. Where one cache cannot
-    have graphs (the cap reached), the whole batch runs eagerly, and a batch that
-    overflows a cache raises before any cache is written."""
+    graphs, one after another, where every cache can run as graphs (past
+    MAX_GRAPHS_PER_MODEL too, evicting none): the logits of the eager batch (a prompt
+    chunk beside a decode token, then decode steps), each cache's books as after the
+    eager batch. Where one cache cannot run as graphs (a Q8_0 cache), the whole batch
+    runs eagerly, and a batch that overflows a cache raises before any cache is
+    written."""
     from edgellm.backends.torch import graphs as graphs_module
-    from edgellm.cache import ContextOverflow
+    from edgellm.cache import CacheConfig, ContextOverflow
     from edgellm.quants import Q
 
     monkeypatch.setattr(graphs_module, "MAX_GRAPHS_PER_MODEL", 2)
@@ -686,10 +691,14 @@ def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
         assert b.dev_i64 is other.dev_i64 and b.dev_masks is other.dev_masks
         assert b.host.i64.data_ptr() != other.host.i64.data_ptr()
     replays.clear()
-    third = net.make_cache(64)  # the cap is 2: a batch with it runs eagerly
-    mixed = net.forward_batch([(np.array([4]), caches[0]), (np.array([1, 2]), third)])
-    assert replays == [] and all(x is not None for x in mixed)
-    before = [c.offset for c in caches]  # (8 and 4 of 64)
+    third = net.make_cache(64)  # past the cap of 2: graphs of its own, evicting none
+    net.forward_batch([(np.array([4]), caches[0]), (np.array([1, 2]), third)])
+    assert replays == [caches[0], third] and len(graphs._graphs[id(net)]) == 3
+    replays.clear()
+    quantized = net.make_cache(config=CacheConfig(max_tokens=64, dtype="q8_0"))
+    mixed = net.forward_batch([(np.array([5]), caches[1]), (np.array([1, 2]), quantized)])
+    assert replays == [] and all(x is not None for x in mixed)  # (no graphs: all eager)
+    before = [c.offset for c in caches]  # (8 and 5 of 64)
     with pytest.raises(ContextOverflow):  # (both could replay: the first is not run)
         net.forward_batch([(np.array([4]), caches[1]), (np.arange(57), caches[0])])
     assert replays == [] and [c.offset for c in caches] == before

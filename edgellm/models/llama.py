@@ -259,9 +259,9 @@ class Model:
         sampler draws it, or (``params.argmax_only``) the argmax taken there: each step's
         token, for ever, one step ahead as ``greedy_tokens``'. None where the backend
         cannot (no graphs; a chain that needs the host: penalties, logit bias, top-k off or
-        above the device's candidates; ``evict`` False: a cache whose graphs would evict
-        another cache's, as ``forward_batch`` keeps an engine's slots), and the caller
-        samples on the host."""
+        above the device's candidates; a cache that cannot run as graphs), and the caller
+        samples on the host. ``evict`` False: a new graph evicts no other cache's, as
+        ``forward_batch`` keeps an engine's slots."""
         graphs = getattr(self.backend, "graphs", None)
         if graphs is None:
             return None
@@ -304,8 +304,8 @@ class Model:
         ``forward`` gives it alone, whatever else is in the batch. On a backend that replays
         graphs (the engine's users, the server's or the C ABI's, on a GPU) each sequence's
         step replays its own cache's graphs instead, one after another, where every cache
-        in the batch has or can have its own without evicting another's
-        (``StepGraphs.forward``'s ``evict``; else the batch runs eagerly): a GPU's eager
+        in the batch can run as graphs (its own, made without evicting another's:
+        ``StepGraphs.forward``'s ``evict``; else the batch runs eagerly): a GPU's eager
         step costs more host time (~40 ms for the 1.5B on an H100) than a replay of the
         whole model per sequence (~1.8 ms with its logits to the host).
         """
@@ -362,9 +362,10 @@ class Model:
     def _replayed_batch(self, graphs, tokens: list[np.ndarray], caches: list[KVCache],
                         want: list[bool]) -> list[np.ndarray | None] | None:
         """``forward_batch`` as each sequence's own graph replay, or None (nothing run)
-        where a cache cannot have graphs without evicting another's or, with several
-        sequences, cannot take its tokens (the eager path raises ContextOverflow before
-        writing any; a lone sequence's replay raises it as early)."""
+        where a cache cannot run as graphs (sink tokens, a quantized cache, a ring slice
+        longer than the ring) or, with several sequences, cannot take its tokens (the
+        eager path raises ContextOverflow before writing any; a lone sequence's replay
+        raises it as early)."""
         pairs = list(zip(tokens, caches, strict=True))
         with graphs.exclusive():  # (another thread's step cannot evict between check and run)
             if len(pairs) > 1 and (not all(c.fits(len(t)) for t, c in pairs) or any(
