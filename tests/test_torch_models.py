@@ -657,8 +657,9 @@ def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
     net = _tiny_net(tmp_path, Q.Q8_0, backend)
     graphs = backend.graphs
     replays = []
-    real = graphs.forward
-    monkeypatch.setattr(graphs, "forward", lambda *a, **k: replays.append(a[2]) or real(*a, **k))
+    real = graphs.queue_step
+    monkeypatch.setattr(graphs, "queue_step",
+                        lambda *a, **k: replays.append(a[2]) or real(*a, **k))
     steps = [([1, 5, 9, 200, 7], [3, 8]), ([44], [2]), ([8], [61])]
 
     def run(caches, use_graphs: bool):
@@ -681,6 +682,15 @@ def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
         for layer, layer_e in zip(c.layers, e.layers, strict=True):
             assert layer.offset == layer_e.offset
             assert np.array_equal(layer.slot_pos, layer_e.slot_pos)
+    # a sequence whose logits are not wanted (a prompt's chunk before its last) gets None
+    pairs = [(np.array([9]), caches[0]), (np.array([12]), caches[1])]
+    got = net.forward_batch(pairs, [False, True])
+    backend.graphs = None
+    expected = net.forward_batch([(t, e) for (t, _), e in zip(pairs, eager_caches, strict=True)],
+                                 [False, True])
+    backend.graphs = graphs
+    assert got[0] is None and expected[0] is None
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-4, atol=1e-4)
     # the two graphs share what one replay at a time allows: the logits and each bucket's
     # device inputs (the host sets are each bucket's own)
     first, second = graphs._graphs[id(net)]
@@ -698,7 +708,7 @@ def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
     quantized = net.make_cache(config=CacheConfig(max_tokens=64, dtype="q8_0"))
     mixed = net.forward_batch([(np.array([5]), caches[1]), (np.array([1, 2]), quantized)])
     assert replays == [] and all(x is not None for x in mixed)  # (no graphs: all eager)
-    before = [c.offset for c in caches]  # (8 and 5 of 64)
+    before = [c.offset for c in caches]  # (9 and 6 of 64)
     with pytest.raises(ContextOverflow):  # (both could replay: the first is not run)
         net.forward_batch([(np.array([4]), caches[1]), (np.arange(57), caches[0])])
     assert replays == [] and [c.offset for c in caches] == before

@@ -56,7 +56,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -168,6 +168,7 @@ class _Bucket:
     best_id: torch.Tensor | None = None  # (1,) its index (the first, as numpy's argmax)
     warm: bool = False  # warmed up (``_warm_up``); no graph after it: the step runs eagerly
     host_logits: torch.Tensor | None = None  # pinned copy of the logits
+    logits_copied: torch.cuda.Event | None = None  # recorded after that copy
     spare: _HostSet | None = None  # the other set of greedy steps' double buffering
     dev_knobs: torch.Tensor | None = None  # (5,) float64: ``_sample``'s knobs
     sampler: torch.cuda.CUDAGraph | None = None  # ``_sample`` over the step's logits
@@ -263,7 +264,6 @@ class StepGraphs:
         (``Model.forward_batch``: its check that every cache has graphs, then their steps)."""
         return self._lock
 
-    @_locked
     def forward(self, model, tokens: np.ndarray, cache: KVCache,
                 evict: bool = True) -> np.ndarray | None:
         """Logits (1, vocab) of the last of ``tokens``, as ``model.forward`` returns them;
@@ -272,17 +272,39 @@ class StepGraphs:
         without evicting another live cache's, past MAX_GRAPHS_PER_MODEL too (slots that
         evicted each other's would capture again at every switch, and a slot refused graphs
         would make every batch it is in run eagerly)."""
+        logits = self.queue_step(model, tokens, cache, evict)
+        return None if logits is None else logits()
+
+    @_locked
+    def queue_step(self, model, tokens: np.ndarray, cache: KVCache, evict: bool = True,
+                   want_logits: bool = True) -> Callable[[], np.ndarray | None] | None:
+        """``forward``'s step queued, its logits' copy to the host too (``want_logits``),
+        and not waited for: a function that waits for them and returns them (None without
+        ``want_logits``); None (nothing queued) where ``forward`` returns None. A batch's
+        sequences queue their steps one after another and wait once (``Model.
+        forward_batch``): the GPU runs each step while the host queues the next."""
         g = self.graph_for_step(model, len(tokens), cache, evict)
         if g is None:
             return None
         b = self._launch(model, g, bucket_for(len(tokens)), cache, tokens)
-        if not self.capture:  # (the caller's own: the logits buffer is every step's)
-            return b.logits.numpy().copy()
+        if not want_logits:
+            return lambda: None
+        if not self.capture:  # (copied now: the logits buffer is every step's)
+            logits = b.logits.numpy().copy()
+            return lambda: logits
         if b.host_logits is None:  # pinned: a DMA straight into it (pageable: staged)
             b.host_logits = torch.empty(b.logits.shape, dtype=b.logits.dtype, pin_memory=True)
+            b.logits_copied = torch.cuda.Event()
+        # (in stream order: before the next step's replay overwrites the shared logits)
         b.host_logits.copy_(b.logits, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        return b.host_logits.numpy().copy()  # the caller's own (the buffer is reused)
+        b.logits_copied.record()
+        host, copied = b.host_logits, b.logits_copied
+
+        def wait() -> np.ndarray:
+            copied.synchronize()
+            return host.numpy().copy()  # the caller's own (the buffer is reused)
+
+        return wait
 
     def graph_for_step(self, model, n: int, cache: KVCache,
                        evict: bool = True) -> _Graph | None:

@@ -372,13 +372,13 @@ class Model:
                     graphs.graph_for_step(self, len(t), c, evict=False) is None
                     for t, c in pairs)):
                 return None
-            out = []
+            queued = []  # each step queued while the GPU runs the one before; waited once
             for (t, c), w in zip(pairs, want, strict=True):
-                logits = graphs.forward(self, t, c, evict=False)
+                logits = graphs.queue_step(self, t, c, evict=False, want_logits=w)
                 if logits is None:  # (a lone sequence, not checked above: nothing was run)
                     return None
-                out.append(logits[-1] if w else None)
-        return out
+                queued.append(logits)
+            return [None if (x := logits()) is None else x[-1] for logits in queued]
 
     def _attention_batch(self, i: int, w: AttentionWeights, x, positions: np.ndarray,
                          bounds: np.ndarray, layers: list[LayerCache]):
