@@ -168,7 +168,7 @@ class _Bucket:
     best_id: torch.Tensor | None = None  # (1,) its index (the first, as numpy's argmax)
     warm: bool = False  # warmed up (``_warm_up``); no graph after it: the step runs eagerly
     host_logits: torch.Tensor | None = None  # pinned copy of the logits
-    logits_copied: torch.cuda.Event | None = None  # recorded after that copy
+    stepped: torch.cuda.Event | None = None  # recorded after a step (and that copy)
     spare: _HostSet | None = None  # the other set of greedy steps' double buffering
     dev_knobs: torch.Tensor | None = None  # (5,) float64: ``_sample``'s knobs
     sampler: torch.cuda.CUDAGraph | None = None  # ``_sample`` over the step's logits
@@ -279,30 +279,34 @@ class StepGraphs:
     def queue_step(self, model, tokens: np.ndarray, cache: KVCache, evict: bool = True,
                    want_logits: bool = True) -> Callable[[], np.ndarray | None] | None:
         """``forward``'s step queued, its logits' copy to the host too (``want_logits``),
-        and not waited for: a function that waits for them and returns them (None without
-        ``want_logits``); None (nothing queued) where ``forward`` returns None. A batch's
-        sequences queue their steps one after another and wait once (``Model.
-        forward_batch``): the GPU runs each step while the host queues the next."""
+        and not waited for: a function that waits for the step and returns the logits (None
+        without ``want_logits``), which the caller must call before the cache's next step;
+        None (nothing queued) where ``forward`` returns None. A batch's sequences queue
+        their steps one after another and wait once (``Model.forward_batch``): the GPU runs
+        each step while the host queues the next."""
         g = self.graph_for_step(model, len(tokens), cache, evict)
         if g is None:
             return None
         b = self._launch(model, g, bucket_for(len(tokens)), cache, tokens)
-        if not want_logits:
-            return lambda: None
         if not self.capture:  # (copied now: the logits buffer is every step's)
-            logits = b.logits.numpy().copy()
+            logits = b.logits.numpy().copy() if want_logits else None
             return lambda: logits
-        if b.host_logits is None:  # pinned: a DMA straight into it (pageable: staged)
-            b.host_logits = torch.empty(b.logits.shape, dtype=b.logits.dtype, pin_memory=True)
-            b.logits_copied = torch.cuda.Event()
-        # (in stream order: before the next step's replay overwrites the shared logits)
-        b.host_logits.copy_(b.logits, non_blocking=True)
-        b.logits_copied.record()
-        host, copied = b.host_logits, b.logits_copied
+        if want_logits:
+            if b.host_logits is None:  # pinned: a DMA straight into it (pageable: staged)
+                b.host_logits = torch.empty(b.logits.shape, dtype=b.logits.dtype,
+                                            pin_memory=True)
+            # (in stream order: before the next step's replay overwrites the shared logits)
+            b.host_logits.copy_(b.logits, non_blocking=True)
+        if b.stepped is None:
+            b.stepped = torch.cuda.Event()
+        b.stepped.record()
+        host, stepped = b.host_logits if want_logits else None, b.stepped
 
-        def wait() -> np.ndarray:
-            copied.synchronize()
-            return host.numpy().copy()  # the caller's own (the buffer is reused)
+        def wait() -> np.ndarray | None:
+            # waited for even where no logits are wanted: the step's inputs were copied
+            # from the bucket's pinned host set, which its next launch refills
+            stepped.synchronize()
+            return None if host is None else host.numpy().copy()  # (the buffer is reused)
 
         return wait
 
