@@ -640,6 +640,38 @@ def test_one_sequence_batches_replay_graphs_without_evicting(tmp_path, monkeypat
     assert [g.owner() for g in graphs._graphs[id(net)]] == [*caches[1:], direct]
 
 
+def test_prompt_chunks_without_logits_replay_as_eager_steps(tmp_path):
+    """A lone sequence's prompt in chunks through Model.forward_batch, its logits wanted
+    only at the last chunk (an engine's prefill), then a decode step: the logits and the
+    books of the eager path. Each chunk's step is waited for before the next refills its
+    bucket's pinned inputs (``StepGraphs.queue_step``): on a GPU a step not waited for
+    could read the next chunk's inputs."""
+    from edgellm.quants import Q
+
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q.Q8_0, backend)
+    graphs = backend.graphs
+    chunks = [np.array([1 + (13 * i + 7 * j) % 250 for i in range(8)]) for j in range(6)]
+
+    def run(use_graphs: bool):
+        backend.graphs = graphs if use_graphs else None
+        try:
+            cache = net.make_cache(96)
+            out = [net.forward_batch([(c, cache)], [j == len(chunks) - 1])[0]
+                   for j, c in enumerate(chunks)]
+            out.append(net.forward_batch([(np.array([5]), cache)], [True])[0])
+            return out, cache
+        finally:
+            backend.graphs = graphs
+
+    (got, cache), (eager, eager_cache) = run(True), run(False)
+    assert graphs._graphs[id(net)][0].owner() is cache  # (replayed, not eager)
+    assert all(x is None for x in got[:-2]) and all(x is None for x in eager[:-2])
+    np.testing.assert_allclose(np.stack(got[-2:]), np.stack(eager[-2:]), rtol=1e-4,
+                               atol=1e-4)
+    assert cache.offset == eager_cache.offset == 49
+
+
 def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
     """A batch of several sequences (the engine's concurrent users) replays each one's own
     graphs, one after another, where every cache can run as graphs (past
