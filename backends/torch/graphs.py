@@ -148,7 +148,8 @@ class _HostSet:
     masks: torch.Tensor  # every group's (B, T) mask, flattened and concatenated
     best_id: torch.Tensor | None = None  # (1,) int64: the token read back (decode steps)
     best_logit: torch.Tensor | None = None  # (1,) float32: its logit (NaN/inf: a fault)
-    done: torch.cuda.Event | None = None  # recorded after the read-back (on a GPU)
+    done: torch.cuda.Event | None = None  # recorded after a step from this set and its
+    # read-backs are queued (on a GPU; ``_mark_done``): the set is refilled only after it
     knobs: torch.Tensor | None = None  # (5,) float64: a sampled step's (``_sample``)
 
 
@@ -168,7 +169,6 @@ class _Bucket:
     best_id: torch.Tensor | None = None  # (1,) its index (the first, as numpy's argmax)
     warm: bool = False  # warmed up (``_warm_up``); no graph after it: the step runs eagerly
     host_logits: torch.Tensor | None = None  # pinned copy of the logits
-    stepped: torch.cuda.Event | None = None  # recorded after a step (and that copy)
     spare: _HostSet | None = None  # the other set of greedy steps' double buffering
     dev_knobs: torch.Tensor | None = None  # (5,) float64: ``_sample``'s knobs
     sampler: torch.cuda.CUDAGraph | None = None  # ``_sample`` over the step's logits
@@ -297,16 +297,14 @@ class StepGraphs:
                                             pin_memory=True)
             # (in stream order: before the next step's replay overwrites the shared logits)
             b.host_logits.copy_(b.logits, non_blocking=True)
-        if b.stepped is None:
-            b.stepped = torch.cuda.Event()
-        b.stepped.record()
-        host, stepped = b.host_logits if want_logits else None, b.stepped
+        # waited for even where no logits are wanted: the step's inputs were copied from
+        # the bucket's pinned host set, which its next launch refills
+        done = self._mark_done(b.host)
+        copied = b.host_logits if want_logits else None
 
         def wait() -> np.ndarray | None:
-            # waited for even where no logits are wanted: the step's inputs were copied
-            # from the bucket's pinned host set, which its next launch refills
-            stepped.synchronize()
-            return None if host is None else host.numpy().copy()  # (the buffer is reused)
+            done.synchronize()
+            return None if copied is None else copied.numpy().copy()  # (the buffer is reused)
 
         return wait
 
@@ -395,13 +393,21 @@ class StepGraphs:
             pin = self.capture
             host.best_id = torch.empty(1, dtype=torch.int64, pin_memory=pin)
             host.best_logit = torch.empty(1, dtype=torch.float32, pin_memory=pin)
-            host.done = torch.cuda.Event() if self.capture else None
         best_logit, best_id = b.sampled if draw is not None else (b.best_logit, b.best_id)
         host.best_id.copy_(best_id, non_blocking=True)
         host.best_logit.copy_(best_logit, non_blocking=True)
-        if host.done is not None:
-            host.done.record()
+        self._mark_done(host)
         return host
+
+    def _mark_done(self, host: _HostSet) -> torch.cuda.Event | None:
+        """Record ``host.done`` after what was just queued (None on the CPU: nothing runs
+        ahead there)."""
+        if not self.capture:
+            return None
+        if host.done is None:
+            host.done = torch.cuda.Event()
+        host.done.record()
+        return host.done
 
     @staticmethod
     def _read_back(host: _HostSet) -> tuple[int, float]:
