@@ -17,7 +17,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests+plaintests llama bench pipeline pdl plainbench pdlprompt tune ab fusions ctx sampling engine profile prefill mem memwhere memctx matvec sweep"}
+STEPS=${STEPS:-"tests+plaintests llama bench anatomy pipeline pdl plainbench pdlprompt tune ab fusions ctx sampling engine profile prefill mem memwhere memctx matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -225,6 +225,15 @@ per_model() {
         timeout "$(limit 90)" python3 "$2" "$m" 2>&1 | tee "$LOGS/$1-$(name "$m").txt" \
             | tail -n "$3"
     done
+}
+
+# where a decode mat-vec's time goes (after `bench`, whose tuning it reuses): the 1.5B's
+# largest mat-vecs against their loads alone, an empty grid and a plain stream of as many bytes
+step_anatomy() {
+    enough 45 "mat-vec anatomy" || return
+    echo "== mat-vec anatomy"
+    timeout "$(limit 150)" python3 benchmarks/matvec_anatomy.py 2>&1 | tee "$LOGS/anatomy.txt" \
+        | tail -n 8
 }
 
 # kernels per prompt and decode step: the 1.5B's decode, Gemma's prefill
