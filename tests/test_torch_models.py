@@ -313,6 +313,65 @@ def test_threads_sharing_a_models_graphs_get_their_solo_steps(tmp_path):
     assert together[1] == alone[1]
 
 
+@pytest.mark.skipif(not CUDA, reason="captures CUDA graphs")
+def test_another_threads_cuda_calls_during_our_capture_fail_neither(tmp_path, monkeypatch,
+                                                                     caplog):
+    """An embedding app's thread allocating device memory (a size never cached: cudaMalloc)
+    and waiting for its own stream while one of our steps is being captured: its calls
+    succeed, our captures hold (no step falls back to eager) and the logits are the ones
+    the same steps give captured alone. A global capture, torch's default, forbids such
+    calls in every thread: the app's call fails or voids our capture
+    (``StepGraphs._record``'s thread-local capture)."""
+    import logging
+    import threading
+
+    from edgellm.quants import Q
+
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q.Q8_0, backend, layers=2)
+    graphs = backend.graphs
+    prompt = np.array([1 + (7 * i) % 250 for i in range(9)])
+
+    def steps(cache):
+        return np.concatenate([net.forward(prompt, cache), _decode(net, cache, [5, 17, 42])])
+
+    kept = net.make_cache(96)  # (kept alive: the next cache captures its own graphs)
+    alone = steps(kept)
+    app_stream = torch.cuda.Stream()
+    errors: list[BaseException] = []
+    allocated: list[int] = []
+
+    def app_calls():
+        try:
+            with torch.cuda.stream(app_stream):
+                block = torch.empty((64 + 2 * len(allocated)) << 20, dtype=torch.uint8,
+                                    device="cuda")
+                block.fill_(1)
+                app_stream.synchronize()
+                allocated.append(block.numel())
+        except Exception as exc:  # noqa: BLE001 - what a global capture makes of it
+            errors.append(exc)
+
+    real_record = graphs._record
+
+    def record_beside_the_app(warm_up, work):
+        def work_after_the_apps_calls():  # (inside the capture: it has begun)
+            app = threading.Thread(target=app_calls)
+            app.start()
+            app.join(timeout=60)
+            return work()
+
+        return real_record(warm_up, work_after_the_apps_calls)
+
+    monkeypatch.setattr(graphs, "_record", record_beside_the_app)
+    with caplog.at_level(logging.WARNING):
+        together = steps(net.make_cache(96))
+    assert not errors, errors
+    assert len(allocated) >= 2  # (the prompt's bucket and decode's each captured)
+    assert not [r for r in caplog.records if "capture" in r.getMessage()]
+    np.testing.assert_array_equal(together, alone)
+
+
 def test_streams_of_two_caches_taken_in_turns_get_their_solo_tokens(tmp_path):
     """Two caches' device streams (greedy, and sampled on the device) taken a token at a
     time in turns, so each step run ahead reads its token from the step before after the
