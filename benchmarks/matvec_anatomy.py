@@ -38,7 +38,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from torch_matvec import COLD_BYTES, copies, planes  # (this script's folder is on the path)
+from torch_matvec import COLD_BYTES, copies, planes, replayed_us  # (this folder: on the path)
 
 from edgellm.backends.torch import kernels
 from edgellm.backends.torch.packing import K_QUANTS, stack_rows
@@ -189,26 +189,6 @@ def launches(p, xq, xd, tile: tuple, glu: bool) -> dict:
     }
 
 
-def time_graph(runs: list) -> float:
-    """Microseconds a launch: one run per copy captured in a graph, replayed."""
-    for run in runs[:2]:
-        run()  # compile, allocate, tune
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for run in runs:
-            run()
-    graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = max(3, 200 // len(runs))
-    begin.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * begin.elapsed_time(end) / (reps * len(runs))
-
-
 def anatomy(label: str, qtype, rows: int, cols: int, pdl: bool) -> str:
     glu = label == "gate+up"
     if glu:  # gate and up stacked as the backend stacks them
@@ -229,7 +209,7 @@ def anatomy(label: str, qtype, rows: int, cols: int, pdl: bool) -> str:
         for name in (("decode",) if pdl else ()) + ("plain", "loads", "empty", "stream"):
             kernels._pdl_devices[device] = saved if name == "decode" else 0
             key = "decode" if name == "plain" else name
-            times[name] = time_graph([r[key] for r in runs])
+            times[name] = replayed_us([r[key] for r in runs])
     finally:
         kernels._pdl_devices.pop(device, None)
         if saved is not None:

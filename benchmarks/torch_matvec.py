@@ -64,26 +64,33 @@ def time_graph(mats: list, n: int, tile=None, target=None) -> float:
     if target is not None:
         kernels.PROGRAMS_PER_SM = target
     try:
-        for p in mats[:2]:
-            kernels.qmatvec(xq, xd, p)  # compile, allocate
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for p in mats:
-                kernels.qmatvec(xq, xd, p)
-        graph.replay()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        reps = max(3, 200 // len(mats))
-        begin.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return 1e3 * begin.elapsed_time(end) / (reps * len(mats))
+        return replayed_us([lambda p=p: kernels.qmatvec(xq, xd, p) for p in mats])
     finally:
         kernels.MATVEC_TILES.clear()
         kernels.MATVEC_TILES.update(saved)
         kernels.PROGRAMS_PER_SM = saved_target
+
+
+def replayed_us(runs: list) -> float:
+    """Microseconds a launch: ``runs`` (functions of none, one launch each, e.g. one per
+    copy of a matrix) captured in one graph, replayed; the first two run before the
+    capture (compile, allocate, tune)."""
+    for run in runs[:2]:
+        run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for run in runs:
+            run()
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = max(3, 200 // len(runs))
+    begin.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * begin.elapsed_time(end) / (reps * len(runs))
 
 
 def main() -> None:
