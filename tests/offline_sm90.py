@@ -8,6 +8,8 @@ arguments the kernel names its constexprs, the rest compile options), so a test 
 the launches of a real decode step in the interpreter and ask how each compiles for a GPU.
 
     python -m tests.offline_sm90    # the decode kernels' registers at the models' shapes
+    python -m tests.offline_sm90 --tuning FILE  # a tuning file's mat-vec tiles: registers,
+                                    # programs a multiprocessor, waves
 
 Under TRITON_INTERPRET=1 (the tests here) the kernels are the interpreter's, so the compile
 runs in a child process without it.
@@ -42,6 +44,13 @@ class Compiled:
     ptx: str
     registers: int
     spilt_bytes: int  # the stack frame per thread: local memory that registers spilt to
+    shared_bytes: int = 0  # shared memory per program (the layout conversions' scratch)
+    warps: int = 4
+
+    @property
+    def per_multiprocessor(self) -> int:
+        """How many of its programs fit one sm_90 multiprocessor at once."""
+        return programs_per_multiprocessor(self.registers, self.warps, self.shared_bytes)
 
     def lines(self, pattern: str) -> list[int]:
         """Indices of the PTX lines that match ``pattern`` (a regular expression)."""
@@ -103,7 +112,22 @@ def _compile(spec: dict) -> Compiled:
                               for n in spec["aligned"]})
     compiled = triton.compile(source, target=SM90, options=spec["options"])
     registers, stack = _resources(compiled.asm["cubin"])
-    return Compiled(spec["kernel"], compiled.asm["ptx"], registers, stack)
+    return Compiled(spec["kernel"], compiled.asm["ptx"], registers, stack,
+                    compiled.metadata.shared, compiled.metadata.num_warps)
+
+
+#: an sm_90 multiprocessor's limits: registers, resident warps and programs, shared memory
+SM90_REGISTERS, SM90_WARPS, SM90_PROGRAMS, SM90_SHARED = 65536, 64, 32, 228 * 1024
+
+
+def programs_per_multiprocessor(registers: int, warps: int, shared_bytes: int = 0) -> int:
+    """How many programs (thread blocks) of ``warps`` warps, ``registers`` a thread and
+    ``shared_bytes`` of shared memory fit one sm_90 multiprocessor at once: registers are
+    given out a warp at a time in units of 256 (8 a thread), and each block takes 1 KB of
+    shared memory beside its own."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(SM90_REGISTERS // (per_warp * warps), SM90_WARPS // warps, SM90_PROGRAMS,
+               SM90_SHARED // (shared_bytes + 1024))
 
 
 def _type(arg) -> str:
@@ -193,16 +217,18 @@ def flash_launch(heads: int, kv_heads: int, head_dim: int, tokens: int, tile: tu
                                                             tile), pdl)[0]
 
 
-def _recorded(work, pdl: int, run: bool = False) -> list[tuple]:
+def _recorded(work, pdl: int, run: bool = False, grids: list | None = None) -> list[tuple]:
     """The (kernel, args, meta) of every launch ``work()`` makes through
     ``kernels._launch``, each with PDL mode ``pdl``; launched as well where ``run`` (work
-    that reads its launches' results), else not."""
+    that reads its launches' results), else not. ``grids``: each launch's grid appended."""
     from edgellm.backends.torch import kernels
 
     launches: list[tuple] = []
     saved = kernels._launch, kernels._INTERPRETING, kernels._multiprocessors
 
     def record(kernel, grid, *args, **meta):
+        if grids is not None:
+            grids.append(grid)
         launches.append((kernel, args, {**meta, "PDL": pdl, "launch_pdl": bool(pdl)}))
         if run:
             saved[0](kernel, grid, *args, **meta)
@@ -217,8 +243,72 @@ def _recorded(work, pdl: int, run: bool = False) -> list[tuple]:
     return launches
 
 
+def tuned_matvec_launch(op: str, kind: int, rows: int, n_chunks: int,
+                        tile: tuple) -> tuple[tuple, int]:
+    """((kernel, args, meta), programs) of a decode mat-vec ("matvec", or "matvec_glu" over
+    gate and up stacked: ``rows`` both) of ``kind`` blocks in ``tile`` (rows per program,
+    chunks per step, warps, programs per multiprocessor a K split aims at): a tuning
+    file's choice as a GPU would launch it, one token."""
+    import numpy as np
+    import torch
+
+    from edgellm.backends.torch import kernels
+    from edgellm.backends.torch.packing import KINDS, pack
+    from edgellm.quants import GGML_QUANT_SIZES
+
+    qtype = {k: q for q, k in KINDS.items()}[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    cols = n_chunks * 64
+    planes = pack(np.zeros((rows, cols // block * size), np.uint8), qtype, rows,
+                  cols).upload("cpu")
+    xq = torch.zeros((1, planes.padded // 4), dtype=torch.int32)
+    xd = torch.zeros((1, planes.padded // 32))
+    saved = dict(kernels.MATVEC_TILES), kernels.PROGRAMS_PER_SM
+    kernels.MATVEC_TILES[kind], kernels.PROGRAMS_PER_SM = tuple(tile[:3]), tile[3]
+    grids: list = []
+    try:
+        launch = _recorded(lambda: kernels.qmatvec_glu(xq, xd, planes, False)
+                           if op == "matvec_glu" else kernels.qmatvec(xq, xd, planes), 0,
+                           grids=grids)[0]
+    finally:
+        kernels.MATVEC_TILES.clear()
+        kernels.MATVEC_TILES.update(saved[0])
+        kernels.PROGRAMS_PER_SM = saved[1]
+    programs = 1
+    for n in grids[0]:
+        programs *= n
+    return launch, programs
+
+
+def occupancy_report(tuning_file: str) -> list[str]:
+    """A line per decode mat-vec that a tuning file (``$EDGELLM_HOME/tuning/<gpu>.json``)
+    keeps a tile for: registers, bytes spilt, programs a multiprocessor, the launch's
+    programs and how many waves of MULTIPROCESSORS x that they make."""
+    with open(tuning_file, encoding="utf-8") as f:
+        choices = json.load(f)["choices"]
+    keys, launches = [], []
+    for key, tile in sorted(choices.items()):
+        op, kind, rows, n_chunks = key.split(":")[:4]
+        if op in ("matvec", "matvec_glu"):
+            keys.append((key, tuple(tile)))
+            launches.append(tuned_matvec_launch(op, int(kind), int(rows), int(n_chunks),
+                                                tile))
+    compiled = compile_specs([launch_spec(*launch) for launch, _ in launches])
+    lines = []
+    for (key, tile), (_, programs), c in zip(keys, launches, compiled, strict=True):
+        fit = c.per_multiprocessor
+        lines.append(f"{key:26s} {str(tile):18s} {c.registers:3d} registers, "
+                     f"{c.spilt_bytes} bytes spilt, {fit:2d} a multiprocessor, {programs:6d} "
+                     f"programs: {programs / (fit * MULTIPROCESSORS):.2f} waves")
+    return lines
+
+
 def main() -> None:
     from edgellm.quants import Q
+
+    if sys.argv[1:2] == ["--tuning"]:  # a tuning file's mat-vec tiles, as sm_90 runs them
+        print("\n".join(occupancy_report(sys.argv[2])))
+        return
 
     # (the three models' attention heads, and their largest mat-vecs)
     for label, shape in (("Qwen2.5 1.5B", (12, 2, 128)), ("Qwen2.5 0.5B", (14, 2, 64)),

@@ -103,3 +103,36 @@ def test_dependent_launches_wait_before_they_read(tmp_path, monkeypatch):
         assert min(c.lines(r"griddepcontrol\.launch_dependents")) > wait[0], c.name
     for c in compiled[len(specs):]:
         assert not c.lines("griddepcontrol"), c.name
+
+
+def test_programs_per_multiprocessor():
+    """An sm_90 multiprocessor's share: 64K registers given out a warp at a time in units
+    of 256, at most 64 warps and 32 programs, 228 KB of shared memory with 1 KB a program
+    beside its own."""
+    fit = offline_sm90.programs_per_multiprocessor
+    assert fit(121, 4) == 4  # 128 a thread: 16,384 a program
+    assert fit(128, 4) == 4 and fit(129, 4) == 3
+    assert fit(48, 4) == 10  # 6,144 a program: 10 of them, not the 16 warps allow
+    assert fit(32, 1) == 32  # the programs' cap, before registers' (64) or warps' (64)
+    assert fit(16, 8) == 8  # the warps' cap
+    assert fit(40, 4, shared_bytes=100 * 1024) == 2  # shared memory's
+
+
+def test_occupancy_report_reads_a_tuning_files_matvec_tiles(tmp_path):
+    """``python -m tests.offline_sm90 --tuning FILE``: a line per mat-vec a tuning file keeps
+    a tile for (others skipped), with the grid the launcher makes of that tile on a
+    132-multiprocessor GPU: the 1.5B's gate+up in (8, 16, 4) is 8,960 / 8 programs; its
+    Q6_K down in (16, 8, 4) aiming at 16 programs a multiprocessor splits K 18 ways (140
+    chunks, 8 a step: 96 x 18 programs)."""
+    import json
+
+    tuning = tmp_path / "gpu.json"
+    tuning.write_text(json.dumps({"version": "v", "choices": {
+        "matvec_glu:5:17920:24": [8, 16, 4, 0], "matvec:7:1536:140": [16, 8, 4, 16],
+        "gemm:0:128:896:512": [128, 64, 2, 8]}}))
+    lines = offline_sm90.occupancy_report(str(tuning))
+    assert [line.split()[0] for line in lines] == ["matvec:7:1536:140", "matvec_glu:5:17920:24"]
+    for line, programs in zip(lines, (1728, 1120), strict=True):
+        fit = int(line.split(" a multiprocessor")[0].split()[-1])
+        assert f" {programs} programs: {programs / (fit * 132):.2f} waves" in line, line
+        assert ", 0 bytes spilt" in line
