@@ -243,12 +243,13 @@ def _recorded(work, pdl: int, run: bool = False, grids: list | None = None) -> l
     return launches
 
 
-def tuned_matvec_launch(op: str, kind: int, rows: int, n_chunks: int,
-                        tile: tuple) -> tuple[tuple, int]:
+def tuned_matvec_launch(op: str, kind: int, rows: int, n_chunks: int, tile: tuple,
+                        pipeline: int = 1) -> tuple[tuple, int]:
     """((kernel, args, meta), programs) of a decode mat-vec ("matvec", or "matvec_glu" over
     gate and up stacked: ``rows`` both) of ``kind`` blocks in ``tile`` (rows per program,
-    chunks per step, warps, programs per multiprocessor a K split aims at): a tuning
-    file's choice as a GPU would launch it, one token."""
+    chunks per step, warps, programs per multiprocessor a K split aims at) and loop
+    ``pipeline`` (``kernels.matvec_pipeline``'s mode): a tuning file's choice as a GPU
+    would launch it, one token."""
     import numpy as np
     import torch
 
@@ -263,8 +264,9 @@ def tuned_matvec_launch(op: str, kind: int, rows: int, n_chunks: int,
                   cols).upload("cpu")
     xq = torch.zeros((1, planes.padded // 4), dtype=torch.int32)
     xd = torch.zeros((1, planes.padded // 32))
-    saved = dict(kernels.MATVEC_TILES), kernels.PROGRAMS_PER_SM
+    saved = dict(kernels.MATVEC_TILES), kernels.PROGRAMS_PER_SM, dict(kernels._pipeline_mode)
     kernels.MATVEC_TILES[kind], kernels.PROGRAMS_PER_SM = tuple(tile[:3]), tile[3]
+    kernels._pipeline_mode["env"] = pipeline
     grids: list = []
     try:
         launch = _recorded(lambda: kernels.qmatvec_glu(xq, xd, planes, False)
@@ -274,6 +276,8 @@ def tuned_matvec_launch(op: str, kind: int, rows: int, n_chunks: int,
         kernels.MATVEC_TILES.clear()
         kernels.MATVEC_TILES.update(saved[0])
         kernels.PROGRAMS_PER_SM = saved[1]
+        kernels._pipeline_mode.clear()
+        kernels._pipeline_mode.update(saved[2])
     programs = 1
     for n in grids[0]:
         programs *= n
@@ -288,11 +292,11 @@ def occupancy_report(tuning_file: str) -> list[str]:
         choices = json.load(f)["choices"]
     keys, launches = [], []
     for key, tile in sorted(choices.items()):
-        op, kind, rows, n_chunks = key.split(":")[:4]
-        if op in ("matvec", "matvec_glu"):
+        op, kind, rows, n_chunks, *loop = key.split(":")
+        if op in ("matvec", "matvec_glu"):  # (the plain loop's tiles: "...:unpipelined")
             keys.append((key, tuple(tile)))
             launches.append(tuned_matvec_launch(op, int(kind), int(rows), int(n_chunks),
-                                                tile))
+                                                tile, 0 if "unpipelined" in loop else 1))
     compiled = compile_specs([launch_spec(*launch) for launch, _ in launches])
     lines = []
     for (key, tile), (_, programs), c in zip(keys, launches, compiled, strict=True):

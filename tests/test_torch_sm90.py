@@ -123,16 +123,22 @@ def test_occupancy_report_reads_a_tuning_files_matvec_tiles(tmp_path):
     a tile for (others skipped), with the grid the launcher makes of that tile on a
     132-multiprocessor GPU: the 1.5B's gate+up in (8, 16, 4) is 8,960 / 8 programs; its
     Q6_K down in (16, 8, 4) aiming at 16 programs a multiprocessor splits K 18 ways (140
-    chunks, 8 a step: 96 x 18 programs)."""
+    chunks, 8 a step: 96 x 18 programs). A tile kept for the plain loop (a key ending
+    ":unpipelined") is compiled with that loop."""
     import json
 
     tuning = tmp_path / "gpu.json"
     tuning.write_text(json.dumps({"version": "v", "choices": {
         "matvec_glu:5:17920:24": [8, 16, 4, 0], "matvec:7:1536:140": [16, 8, 4, 16],
-        "gemm:0:128:896:512": [128, 64, 2, 8]}}))
+        "matvec:7:1536:140:unpipelined": [16, 8, 4, 16], "gemm:0:128:896:512": [128, 64, 2, 8]}}))
     lines = offline_sm90.occupancy_report(str(tuning))
-    assert [line.split()[0] for line in lines] == ["matvec:7:1536:140", "matvec_glu:5:17920:24"]
-    for line, programs in zip(lines, (1728, 1120), strict=True):
+    assert [line.split()[0] for line in lines] == [
+        "matvec:7:1536:140", "matvec:7:1536:140:unpipelined", "matvec_glu:5:17920:24"]
+    for mode in (0, 1):
+        (_, _, meta), _ = offline_sm90.tuned_matvec_launch("matvec", 7, 1536, 140,
+                                                            (16, 8, 4, 16), mode)
+        assert meta["PIPELINE"] == mode
+    for line, programs in zip(lines, (1728, 1728, 1120), strict=True):
         fit = int(line.split(" a multiprocessor")[0].split()[-1])
         assert f" {programs} programs: {programs / (fit * 132):.2f} waves" in line, line
         assert ", 0 bytes spilt" in line
