@@ -149,18 +149,12 @@ def _stream_kernel(words_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def grid_of(p, tile: tuple, glu: bool) -> tuple[int, int, int]:
-    """(programs, splits, chunks per split) as ``kernels._qmatvec`` / ``qmatvec_glu`` launch
-    ``tile`` over p."""
-    bn, ch, _, per_sm = tile
-    nq, ng, nsup, n_chunks = kernels._geometry(p)
-    rows = p.rows // 2 if glu else p.rows
-    programs = triton.cdiv(rows, bn)
+    """(programs, splits, chunks per split) as ``kernels.qmatvec`` / ``qmatvec_glu`` launch
+    ``tile`` over p (the GLU: a program per BN gate rows, all of K)."""
+    n_chunks = kernels._geometry(p)[3]
     if glu:
-        return programs, 1, n_chunks
-    wanted = triton.cdiv(per_sm * kernels._multiprocessors(p.q.device), programs)
-    splits = max(1, min(triton.cdiv(n_chunks, ch), wanted))
-    cps = triton.cdiv(triton.cdiv(n_chunks, splits), ch) * ch
-    return programs, triton.cdiv(n_chunks, cps), cps
+        return triton.cdiv(p.rows // 2, tile[0]), 1, n_chunks
+    return kernels.matvec_grid(p.rows, n_chunks, tile, p.q.device)
 
 
 def launches(p, xq, xd, tile: tuple, glu: bool) -> dict:
@@ -195,6 +189,8 @@ def _not_timed(tile) -> None:
 
 
 def anatomy(label: str, qtype, rows: int, cols: int, pdl: bool) -> str:
+    """One line of figures for the (rows, cols) matrix of ``qtype`` ("gate+up": two stacked,
+    through the GLU kernel), each launch replayed over cold copies of it."""
     glu = label == "gate+up"
     if glu:  # gate and up stacked as the backend stacks them
         p, _ = stack_rows([planes(qtype, rows, cols), planes(qtype, rows, cols)], torch.cat)

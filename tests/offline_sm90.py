@@ -188,19 +188,26 @@ def matvec_launch(rows: int, cols: int, qtype, tokens: int = 1, pdl: int = 0) ->
     """(kernel, args, meta) of the mat-vec of a (rows, cols) matrix of ``qtype`` blocks over
     ``tokens`` tokens, through ``kernels.qmatvec``: a GPU's default tile and K split (no
     tuner times tiles here)."""
+    from edgellm.backends.torch import kernels
+
+    planes, xq, xd = _zero_matvec_inputs(rows, cols, qtype, tokens)
+    return _recorded(lambda: kernels.qmatvec(xq, xd, planes), pdl)[0]
+
+
+def _zero_matvec_inputs(rows: int, cols: int, qtype, tokens: int) -> tuple:
+    """(planes, xq, xd): a (rows, cols) matrix of ``qtype`` blocks, all zero, and
+    ``tokens`` tokens' 8-bit activations, on the CPU: a mat-vec's arguments at that shape."""
     import numpy as np
     import torch
 
-    from edgellm.backends.torch import kernels
     from edgellm.backends.torch.packing import pack
     from edgellm.quants import GGML_QUANT_SIZES
 
     block, size = GGML_QUANT_SIZES[qtype]
     planes = pack(np.zeros((rows, cols // block * size), np.uint8), qtype, rows,
                   cols).upload("cpu")
-    xq = torch.zeros((tokens, planes.padded // 4), dtype=torch.int32)
-    xd = torch.zeros((tokens, planes.padded // 32))
-    return _recorded(lambda: kernels.qmatvec(xq, xd, planes), pdl)[0]
+    return (planes, torch.zeros((tokens, planes.padded // 4), dtype=torch.int32),
+            torch.zeros((tokens, planes.padded // 32)))
 
 
 def flash_launch(heads: int, kv_heads: int, head_dim: int, tokens: int, tile: tuple,
@@ -250,20 +257,11 @@ def tuned_matvec_launch(op: str, kind: int, rows: int, n_chunks: int, tile: tupl
     chunks per step, warps, programs per multiprocessor a K split aims at) and loop
     ``pipeline`` (``kernels.matvec_pipeline``'s mode): a tuning file's choice as a GPU
     would launch it, one token."""
-    import numpy as np
-    import torch
-
     from edgellm.backends.torch import kernels
-    from edgellm.backends.torch.packing import KINDS, pack
-    from edgellm.quants import GGML_QUANT_SIZES
+    from edgellm.backends.torch.packing import KINDS
 
     qtype = {k: q for q, k in KINDS.items()}[kind]
-    block, size = GGML_QUANT_SIZES[qtype]
-    cols = n_chunks * 64
-    planes = pack(np.zeros((rows, cols // block * size), np.uint8), qtype, rows,
-                  cols).upload("cpu")
-    xq = torch.zeros((1, planes.padded // 4), dtype=torch.int32)
-    xd = torch.zeros((1, planes.padded // 32))
+    planes, xq, xd = _zero_matvec_inputs(rows, n_chunks * 64, qtype, 1)
     saved = dict(kernels.MATVEC_TILES), kernels.PROGRAMS_PER_SM, dict(kernels._pipeline_mode)
     kernels.MATVEC_TILES[kind], kernels.PROGRAMS_PER_SM = tuple(tile[:3]), tile[3]
     kernels._pipeline_mode["env"] = pipeline

@@ -1230,17 +1230,26 @@ def qmatvec(xq, xd, p: Planes, bias=None):
     return _qmatvec(xq, xd, p, bias, tile)
 
 
+def matvec_grid(rows: int, n_chunks: int, tile: tuple[int, int, int, int],
+                device) -> tuple[int, int, int]:
+    """(programs, K splits, chunks per split) of ``qmatvec``'s launch of ``tile`` over
+    ``rows`` rows of ``n_chunks`` chunks: K is split until about tile[3] programs run per
+    multiprocessor (0: not split), in whole steps of tile[1] chunks."""
+    bn, ch, _, per_sm = tile
+    programs = triton.cdiv(rows, bn)
+    wanted = triton.cdiv(per_sm * _multiprocessors(device), programs)
+    splits = max(1, min(triton.cdiv(n_chunks, ch), wanted))
+    cps = triton.cdiv(triton.cdiv(n_chunks, splits), ch) * ch  # chunks per split
+    return programs, triton.cdiv(n_chunks, cps), cps
+
+
 def _qmatvec(xq, xd, p: Planes, bias, tile: tuple[int, int, int, int]):
     import torch
 
     n = xq.shape[0]
     nq, ng, nsup, n_chunks = _geometry(p)
-    bn, ch, warps, per_sm = tile
-    programs = triton.cdiv(p.rows, bn)
-    wanted = triton.cdiv(per_sm * _multiprocessors(xq.device), programs)
-    splits = max(1, min(triton.cdiv(n_chunks, ch), wanted))
-    cps = triton.cdiv(triton.cdiv(n_chunks, splits), ch) * ch  # chunks per split
-    splits = triton.cdiv(n_chunks, cps)
+    bn, ch, warps, _ = tile
+    programs, splits, cps = matvec_grid(p.rows, n_chunks, tile, xq.device)
     out = torch.empty((n, p.rows), dtype=torch.float32, device=xq.device)
     part, counts = out, xq  # (unused without a split)
     if splits > 1:
