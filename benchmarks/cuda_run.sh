@@ -205,13 +205,14 @@ step_sampling() {  # the default chain drawn on the device (sampled_tokens) agai
         --tokens 128 2>&1 | tee -a "$LOGS/sampling.txt" | tail -n 5
 }
 
-# requests through the engine (the server's path), graphs or not: one at a time, then 2 at once
+# requests through the engine (the server's path), graphs or not: one at a time, then 2 and
+# 4 at once (their decode steps as one graph of the set, or each sequence's own in turn)
 step_engine() {
     local n
-    for n in 1 2; do
+    for n in 1 2 4; do
         enough 60 "engine, $n streams" || return
         timeout "$(limit 150)" python3 benchmarks/engine_one_stream.py "$LARGE" --tokens 128 \
-            --streams "$n" 2>&1 | tee -a "$LOGS/engine.txt" | tail -n 2
+            --streams "$n" 2>&1 | tee -a "$LOGS/engine.txt" | tail -n 3
     done
 }
 

@@ -2,7 +2,8 @@
 ``Model.complete`` run), with the backend's graphs and without them, in turns in one
 process: decode tokens/s after the first token, medians of the rounds. ``--streams N``:
 N requests at once instead, their tokens/s in all (from the first token of any to the
-last of all, first tokens left out).
+last of all, first tokens left out), with graphs also as each sequence's own graph in
+turn ("one a sequence") beside one graph of the set (the default).
 
     python benchmarks/engine_one_stream.py MODEL.gguf [--backend torch] [--tokens 128]
         [--rounds 3] [--temperature 0] [--streams 1]
@@ -44,6 +45,16 @@ def many_streams(model, prompts: list[str], params: SamplingParams) -> float:
     return sum(len(t) - 1 for t in times) / (max(t[-1] for t in times) - start)
 
 
+def set_batch_graphs(on: bool) -> None:
+    """Several sequences' decode steps as one graph of their set (on: the default), or
+    each sequence's own graph replayed in turn (``EDGELLM_BATCH_GRAPHS=0``)."""
+    try:
+        from edgellm.backends.torch import graphs as graphs_module
+    except ImportError:  # (no torch: no graphs)
+        return
+    graphs_module.BATCH_GRAPHS = on
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -58,15 +69,19 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens,
                             ignore_eos=True, seed=1)
     speeds: dict[str, list[float]] = {"graphs": [], "eager": []}
+    if args.streams > 1 and graphs is not None:  # their decode steps as one graph, or not
+        speeds["graphs, one a sequence"] = []
     one_stream(model, "warm-up: a haiku about caches", params)  # (captures, tuning)
     for r in range(args.rounds):
         for name in speeds:
-            model.backend.graphs = graphs if name == "graphs" else None
+            model.backend.graphs = None if name == "eager" else graphs
+            set_batch_graphs(name != "graphs, one a sequence")
             prompts = [f"[{r} {name} {i}] Write a Python function that parses a CSV file."
                        for i in range(args.streams)]
             speeds[name].append(one_stream(model, prompts[0], params) if args.streams == 1
                                 else many_streams(model, prompts, params))
     model.backend.graphs = graphs
+    set_batch_graphs(True)
     for name, values in speeds.items():
         spread = " ".join(f"{v:.1f}" for v in values)
         streams = "one stream" if args.streams == 1 else f"{args.streams} streams"

@@ -738,12 +738,15 @@ def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
     chunk beside a decode token, then decode steps), each cache's books as after the
     eager batch. Where one cache cannot run as graphs (a Q8_0 cache), the whole batch
     runs eagerly, and a batch that overflows a cache raises before any cache is
-    written."""
+    written. (Batch graphs off, as EDGELLM_BATCH_GRAPHS=0 sets them: with them, a decode
+    step of a set replays one graph of it, ``test_decode_batches_replay_one_graph_of_their
+    _set``; a prompt beside decode tokens still takes this path.)"""
     from edgellm.backends.torch import graphs as graphs_module
     from edgellm.cache import CacheConfig, ContextOverflow
     from edgellm.quants import Q
 
     monkeypatch.setattr(graphs_module, "MAX_GRAPHS_PER_MODEL", 2)
+    monkeypatch.setattr(graphs_module, "BATCH_GRAPHS", False)
     backend = _graph_backend()
     net = _tiny_net(tmp_path, Q.Q8_0, backend)
     graphs = backend.graphs
@@ -803,6 +806,103 @@ def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
     with pytest.raises(ContextOverflow):  # (both could replay: the first is not run)
         net.forward_batch([(np.array([4]), caches[1]), (np.arange(57), caches[0])])
     assert replays == [] and [c.offset for c in caches] == before
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_decode_batches_replay_one_graph_of_their_set(tmp_path, monkeypatch, triton):
+    """Decode steps of several caches (the engine's concurrent users, a token each) replay
+    one graph of their set (``StepGraphs.queue_batch``: the tokens through the mat-vecs
+    together, each attending over its own cache), in any order of the batch: the logits
+    and books of the eager batch, with ring layers that wrap beside a global one (two
+    groups of layers). No sequence's own graph replays a decode step. Not ``triton`` (the
+    interpreter is slow there: two sequences, two steps): a subset of the set gets a
+    graph of its own, the least recently used going past MAX_BATCH_GRAPHS_PER_MODEL, and
+    a member's graph evicted takes the set's batch graph with it, the set capturing anew
+    over the member's new graph."""
+    from edgellm.backends.torch import graphs as graphs_module
+    from edgellm.cache import CacheConfig
+    from edgellm.quants import Q
+
+    monkeypatch.setattr(graphs_module, "MAX_BATCH_GRAPHS_PER_MODEL", 1)
+    monkeypatch.setattr(graphs_module, "MAX_GRAPHS_PER_MODEL", 3)
+    backend = _graph_backend(triton)
+    window = 5
+    net = _tiny_net(tmp_path, Q.Q5_0 if triton else Q.Q8_0, backend, window, small=triton,
+                    layers=2 if triton else None)
+    net.layer_window = lambda i: 0 if i == 1 else window  # ring, global(, ring)
+    config = CacheConfig(max_tokens=64, reserve=4)  # rings of 9 slots
+    graphs = backend.graphs
+    singles = []
+    real = graphs.queue_step
+    monkeypatch.setattr(graphs, "queue_step",
+                        lambda *a, **k: singles.append(a[2]) or real(*a, **k))
+    prompts = [[1, 5, 9], [3, 8, 2, 7, 11, 6], [44]][:2 if triton else 3]
+    # the sequences of each step, in the batch's order: the set in turns of order, then
+    # two of them (a batch graph of their own, which drops the set's), then the set again
+    plan = ([(0, 1), (1, 0)] if triton
+            else [(0, 1, 2), (2, 0, 1), (1, 2, 0)] * 3 + [(0, 2), (2, 0), (1, 0, 2)])
+
+    def steps(caches, tokens, order_list):
+        out = []
+        for order in order_list:
+            got = net.forward_batch([(np.array([tokens[j]]), caches[j]) for j in order])
+            out.append(dict(zip(order, got, strict=True)))
+            tokens.update((j, int(x.argmax())) for j, x in out[-1].items())
+        return out
+
+    def run(use_graphs: bool):
+        backend.graphs = graphs if use_graphs else None
+        try:
+            caches = [net.make_cache(config=config) for _ in prompts]
+            tokens = {j: int(net.forward_batch([(np.array(p), c)])[0].argmax())
+                      for j, (p, c) in enumerate(zip(prompts, caches, strict=True))}
+            return steps(caches, tokens, plan), caches, tokens
+        finally:
+            backend.graphs = graphs
+
+    def same(got, expected):
+        for g, e in zip(got, expected, strict=True):
+            assert g.keys() == e.keys()
+            for j in g:
+                np.testing.assert_allclose(g[j], e[j], rtol=1e-4, atol=1e-4)
+                assert int(g[j].argmax()) == int(e[j].argmax())
+
+    def same_books(caches, expected):
+        for c, e in zip(caches, expected, strict=True):
+            for layer, layer_e in zip(c.layers, e.layers, strict=True):
+                assert layer.offset == layer_e.offset
+                assert np.array_equal(layer.slot_pos, layer_e.slot_pos)
+
+    (got, caches, tokens), (eager, eager_caches, eager_tokens) = run(True), run(False)
+    same(got, eager)
+    same_books(caches, eager_caches)
+    assert singles == caches  # (their prompts only)
+    batches = graphs._batches[id(net)]
+    assert len(batches) == 1  # the last set's (the cap of 1 dropped the subset's)
+    (last,) = batches.values()
+    assert sorted(id(g.owner()) for g in last.members) == sorted(map(id, caches))
+    n, n_groups = last.size, len(last.mask_spans)
+    for gi, (start, width, _) in enumerate(last.mask_spans):  # each row's span: its mask's
+        masks = last.host.masks[start:start + n * width].view(n, width).numpy()
+        at = graphs_module._batch_index(n, n_groups, "spans", gi)
+        for j, span in enumerate(last.host.i64[at:at + n].tolist()):
+            assert masks[j, span - 1] and not masks[j, span:].any()
+    if triton:
+        return
+    assert caches[0].layers[0].plan.is_ring and len({layer.plan for layer in caches[0].layers}) == 2
+    assert caches[0].layers[0].offset > caches[0].layers[0].plan.slots  # (the ring wrapped)
+    direct = net.make_cache(config=config)  # stepped directly at a cap of 3: evicts caches[0]'s
+    net.forward(np.array([3]), direct)
+    assert batches == {} and caches[0] not in [g.owner() for g in graphs._graphs[id(net)]]
+    more = [(0, 1, 2), (2, 1, 0)]
+    got = steps(caches, tokens, more)
+    backend.graphs = None
+    expected = steps(eager_caches, eager_tokens, more)
+    backend.graphs = graphs
+    same(got, expected)
+    same_books(caches, eager_caches)
+    (again,) = batches.values()
+    assert again is not last and caches[0] in [g.owner() for g in again.members]
 
 
 def test_device_draw_equals_the_host_draw():
@@ -904,11 +1004,11 @@ def test_engine_streams_a_lone_sequence_from_the_device(tmp_path, monkeypatch):
     """An engine's lone decoding sequence takes its tokens from Model.sampled_tokens (the
     argmax, or the chain drawn, on the device, one step queued ahead): the tokens the host
     path gives (its graphs off), greedy and seeded sampling alike. A request that joins
-    mid-stream, a cancel and each ending close the stream, which takes the step run ahead
-    back out of the cache (a slot's ids stay its cache's contents), and every request's
-    tokens are still its tokens alone; so are the host generator's draws after a stream (a
-    lost uniform would change the joined run's tokens). Logprobs and penalties sample on
-    the host."""
+    mid-stream (the two then decode as one batch graph), a cancel and each ending close
+    the stream, which takes the step run ahead back out of the cache (a slot's ids stay
+    its cache's contents), and every request's tokens are still its tokens alone; so are
+    the host generator's draws after a stream (a lost uniform would change the joined
+    run's tokens). Logprobs and penalties sample on the host."""
     from edgellm.engine import Engine, Request
     from edgellm.sampling import SamplingParams
 
@@ -963,12 +1063,18 @@ def test_engine_streams_a_lone_sequence_from_the_device(tmp_path, monkeypatch):
         assert (opened[:1] == [(params, True)]) == (params is not penalised)
     assert alone[id(greedy)][0] != alone[id(sampled)][0][:10]
 
-    # a second request joins the first's stream; then one is cancelled mid-stream
+    # a second request joins the first's stream (they decode together: one graph of the
+    # two, ``StepGraphs.queue_batch``); then one is cancelled mid-stream
     opened.clear()
+    batched = []
+    real_batch = graphs.queue_batch
+    monkeypatch.setattr(graphs, "queue_batch", lambda *a, **k: batched.append(
+        real_batch(*a, **k)) or batched[-1])
     joined = serve([Request(prompts[1], sampled), Request(prompts[0], greedy)], True,
                    join_at=5)
     assert joined == [alone[id(sampled)], alone[id(greedy)]]
     assert opened[0] == (sampled, True)
+    assert sum(step is not None for step in batched) >= 3
     tokens, reason = serve([Request(prompts[1], sampled)], True, cancel_at=4)[0]
     assert reason == "cancelled" and tokens == alone[id(sampled)][0][:len(tokens)]
     logprobs = serve([Request(prompts[0], greedy, logprobs=2)], True)[0]

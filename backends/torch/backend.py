@@ -18,7 +18,9 @@ activation rounding; the triton kernels are tested against the numpy reference u
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -585,9 +587,17 @@ class TorchBackend(Backend):
         if len(parts) == 1:
             k, v, mask = parts[0]
             return self.attention(q, k, v, mask, scale, softcap)
+        with self.attention_rows_apart():
+            return super().attention_batch(q, parts, scale, softcap)
+
+    @contextlib.contextmanager
+    def attention_rows_apart(self) -> Iterator[None]:
+        """Attention launches whose outputs are joined after (several sequences', each over
+        its own cache) write no 8-bit blocks for the output projection: the join would
+        drop them, and the projection quantizes the joined rows itself."""
         self._attention_blocks = False
         try:
-            return super().attention_batch(q, parts, scale, softcap)
+            yield
         finally:
             self._attention_blocks = True
 

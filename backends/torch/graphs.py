@@ -46,6 +46,15 @@ the copies, the replay's launch) overlaps the GPU's work on the step before. Sam
 decoding (``sample``) runs the same way, with a small graph of its own after each step's
 that draws the token from the 64 largest logits (``_sample``), a uniform from the host's
 generator a step.
+
+Several caches decoding together (an engine's concurrent users: ``Model.forward_batch``)
+replay one graph of their set (``queue_batch``), not each its own: their tokens go through
+the mat-vecs as one batch of 2..8 rows, so each weight is read once a step for all of them
+(the kernels' arithmetic is per token: each sequence's logits are those of its own step
+alone), and each sequence attends over its own cache's storage, which the set's caches'
+graphs hold (so a batch graph adds no KV memory; it is dropped with any of them). A set is
+captured at its first step; an engine's slots keep their caches, so a set of users decoding
+together replays the same graph until one of them is done.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -83,6 +93,17 @@ MAX_ORPHANS_PER_MODEL = 2
 #: token counts a step is captured for: decode, then prompt slices up to Model's PREFILL_CHUNK
 #: (8: the mat-vec's largest count, so that 2..8 tokens multiply as eagerly, in integers)
 BUCKETS = (1, 8, 16, 64, 128, 256, 512)
+#: the most sequences a batch graph steps together: the mat-vec's most tokens
+#: (``kernels.MATVEC_MAX_TOKENS``; above it a GPU's GEMM rounds differently for another row
+#: count), and the engine's default slots
+MAX_BATCH_SEQUENCES = 8
+#: batch graphs kept per model (sets of caches decoding together), least recently used
+#: dropped first: each holds its launches and pinned inputs (a mask byte per slot a
+#: sequence), not KV storage
+MAX_BATCH_GRAPHS_PER_MODEL = 8
+#: EDGELLM_BATCH_GRAPHS=0: each sequence of a batch replays its own cache's graph instead
+#: (the A/B of ``benchmarks/engine_one_stream.py --streams N``)
+BATCH_GRAPHS = os.environ.get("EDGELLM_BATCH_GRAPHS", "1") != "0"
 
 
 class _StepLayer:
@@ -130,6 +151,25 @@ class _StepLayer:
         return old_k, old_v, self.mask
 
 
+class _BatchLayer:
+    """Model.attention's view of one layer inside a batch graph's step: row j is sequence
+    j's token, attended against its own cache (``parts[j]``, a ``_StepLayer``)."""
+
+    def __init__(self, parts: list[_StepLayer]):
+        self.parts = parts
+
+    def takes_one(self) -> bool:
+        return False
+
+    def attend(self, backend, q, k, v, scale: float, softcap: float = 0.0):
+        """q (N, H, hd), k, v (N, KVH, hd): each row stored and attended in its own cache
+        (one launch each on the GPU path), the outputs joined (N, H, hd)."""
+        with backend.attention_rows_apart():
+            rows = [part.attend(backend, q[j:j + 1], k[j:j + 1], v[j:j + 1], scale, softcap)
+                    for j, part in enumerate(self.parts)]
+        return torch.cat(rows)
+
+
 @dataclass
 class _Group:
     """Layers of one plan: they share write slots and masks."""
@@ -155,7 +195,8 @@ class _HostSet:
 
 @dataclass
 class _Bucket:
-    """One captured step size: its static buffers, views of them, its graph and outputs."""
+    """One captured step size of a cache's graphs, or (``members``) a batch graph of several
+    caches' decode steps: its static buffers, views of them, its graph and outputs."""
 
     size: int
     host: _HostSet  # the set the next step fills
@@ -174,6 +215,8 @@ class _Bucket:
     sampler: torch.cuda.CUDAGraph | None = None  # ``_sample`` over the step's logits
     sampler_eager: bool = False  # its capture failed: ``_sample`` runs eagerly
     sampled: tuple | None = None  # (the maximum logit (1,), the drawn token (1,))
+    members: tuple = ()  # a batch graph's (``queue_batch``): each sequence's cache's _Graph,
+    # whose storage its rows attend over; empty for a bucket of one cache's steps
 
     def flip(self) -> _HostSet:
         """Swap in the other host set (made at the first flip): a step queued ahead fills
@@ -243,10 +286,14 @@ class StepGraphs:
         self._graphs: dict[int, list[_Graph]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         # what every graph of a model shares, as only one replays at a time: the logits
-        # (1, vocab) every step writes (by model id; a bucket's own would be 1 MB each for
-        # Gemma 3's vocabulary), the step inputs' device buffers (by layout and bucket)
-        self._logits: dict[int, torch.Tensor] = {}
+        # (rows, vocab) every step writes (by model id and rows: 1, a batch graph's N; a
+        # bucket's own would be 1 MB each for Gemma 3's vocabulary), the step inputs'
+        # device buffers (by layout and bucket)
+        self._logits: dict[tuple, torch.Tensor] = {}
         self._step_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # batch graphs by model id, then by their caches' graphs (``queue_batch``), least
+        # recently used first
+        self._batches: dict[int, dict[tuple, _Bucket]] = {}
         # every warm-up and capture on one stream: cuBLAS keeps a workspace per stream
         # (16 MiB on an H100 under torch 2.11), which a new stream per capture would add
         self._stream = torch.cuda.Stream(self.backend.device) if self.capture else None
@@ -287,7 +334,13 @@ class StepGraphs:
         g = self.graph_for_step(model, len(tokens), cache, evict)
         if g is None:
             return None
-        b = self._launch(model, g, bucket_for(len(tokens)), cache, tokens)
+        return self._logits_reader(self._launch(model, g, bucket_for(len(tokens)), cache,
+                                                tokens), want_logits)
+
+    def _logits_reader(self, b: _Bucket, want_logits: bool
+                       ) -> Callable[[], np.ndarray | None]:
+        """After b's step is queued: its logits' copy to the host queued (``want_logits``)
+        and a function that waits for the step and returns them (rows, vocab), or None."""
         if not self.capture:  # (copied now: the logits buffer is every step's)
             logits = b.logits.numpy().copy() if want_logits else None
             return lambda: logits
@@ -305,6 +358,47 @@ class StepGraphs:
         def wait() -> np.ndarray | None:
             done.synchronize()
             return None if copied is None else copied.numpy().copy()  # (the buffer is reused)
+
+        return wait
+
+    @_locked
+    def queue_batch(self, model, tokens: list[np.ndarray], caches: list[KVCache],
+                    want: list[bool]) -> Callable[[], list[np.ndarray | None]] | None:
+        """A decode step of several caches (a token each: ``tokens`` (1,) a cache) as the
+        one graph of their set, queued and not waited for: a function that waits and
+        returns each sequence's logits (vocab,), None where ``want`` says False. Every
+        token goes through the mat-vecs together (each weight read once a step, not once a
+        sequence); each attends over its own cache (``_BatchLayer``). Returns None, with
+        nothing booked or run, where the batch cannot: off (BATCH_GRAPHS), one sequence or
+        more than MAX_BATCH_SEQUENCES, a prompt's tokens, a cache without graphs of its
+        own (``graph_for_step``, evicting none) or of another layout than the rest, a token
+        that does not fit (ContextOverflow is the caller's) or a write not in place; each
+        sequence then replays its own graph."""
+        n = len(caches)
+        if not BATCH_GRAPHS or not 1 < n <= MAX_BATCH_SEQUENCES or any(
+                len(t) != 1 for t in tokens) or not all(c.fits(1) for c in caches):
+            return None
+        members = [self.graph_for_step(model, 1, c, evict=False) for c in caches]
+        if any(g is None for g in members) or len({g.signature for g in members}) > 1:
+            return None
+        positions = [c.begin(1) for c in caches]
+        if not all(c.layers[group.layers[0]].writes_in_place(int(p[0]), 1)
+                   for c, g, p in zip(caches, members, positions, strict=True)
+                   for group in g.groups):
+            return None
+        order = sorted(range(n), key=lambda j: id(members[j]))  # one graph for a set
+        b = self._batch_for(model, tuple(members[j] for j in order))
+        self._advance_batch(b, [caches[j] for j in order],
+                            [int(tokens[j][0]) for j in order], [positions[j] for j in order])
+        b.dev_i64.copy_(b.host.i64, non_blocking=True)
+        b.dev_masks.copy_(b.host.masks, non_blocking=True)
+        self._replay(model, b)
+        read = self._logits_reader(b, any(want))
+
+        def wait() -> list[np.ndarray | None]:
+            rows = read()
+            by_sequence = {j: rows[at] for at, j in enumerate(order)} if rows is not None else {}
+            return [by_sequence[j] if want[j] else None for j in range(n)]
 
         return wait
 
@@ -438,6 +532,14 @@ class StepGraphs:
             b.dev_i64[:1].copy_(b.sampled[1] if draw is not None else b.best_id)
         if b.inputs is None:
             b.inputs = self._inputs(g, b)
+        self._replay(model, b)
+        if draw is not None:
+            self._sample_after(b, draw)
+        return b
+
+    def _replay(self, model, b: _Bucket) -> None:
+        """Queue b's step over its device inputs (filled): its graph's replay, captured at
+        its first use (the CPU: warmed up, then its steps run eagerly each time)."""
         if not b.warm:
             b.warm = True
             if not self.capture:  # (the CPU: tests) warmed up as a capture is, so that the
@@ -454,10 +556,8 @@ class StepGraphs:
         else:
             self.backend._rope_memo = (None, {})  # same positions tensor, new values
             b.logits = self._shared_logits(model, _step(model, *b.inputs))
-            b.best_logit, b.best_id = _greedy(b.logits)
-        if draw is not None:
-            self._sample_after(b, draw)
-        return b
+            if not b.members:
+                b.best_logit, b.best_id = _greedy(b.logits)
 
     def _sample_after(self, b: _Bucket, draw: _Draw) -> None:
         """Queue ``_sample`` over b's logits with this step's knobs (copied from its host
@@ -503,12 +603,14 @@ class StepGraphs:
                 torch.empty(1, dtype=torch.int64, device=dev))
 
     def _shared_logits(self, model, logits: torch.Tensor) -> torch.Tensor:
-        """A step's logits copied into the model's one logits buffer (made at the first
-        capture: in the graphs' pool, kept), which its readers (the host's copy, the
-        sampler's graph, the greedy argmax) take before the next replay, in stream order."""
-        shared = self._logits.get(id(model))
+        """A step's logits copied into the model's one logits buffer of their rows (made at
+        the first capture: in the graphs' pool, kept; a batch graph's has a row a
+        sequence), which its readers (the host's copy, the sampler's graph, the greedy
+        argmax) take before the next replay, in stream order."""
+        key = (id(model), logits.shape[0])
+        shared = self._logits.get(key)
         if shared is None or shared.shape != logits.shape or shared.dtype != logits.dtype:
-            shared = self._logits[id(model)] = torch.empty_like(logits)
+            shared = self._logits[key] = torch.empty_like(logits)
         return shared.copy_(logits)
 
     def _record(self, warm_up, work) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -545,25 +647,30 @@ class StepGraphs:
         i64[size:size + n], i64[size + n:2 * size] = positions, positions[-1]
         i64[2 * size] = n - 1
         for gi, group in enumerate(g.groups):
-            lead = cache.layers[group.layers[0]]
-            slots = lead.slot_of(positions)
             start, width, in_place = b.mask_spans[gi]
             mask = masks[start:start + size * width].reshape(size, width)
-            if not in_place:  # attends over the rows before the write, then the new ones
-                old = np.where(lead.slot_pos < positions[0], lead.slot_pos, -1)
-                pads = np.full(size - n, -1)  # never seen
-                mask[:n] = lead.mask(positions, np.concatenate([old, positions, pads]))
-            for li in group.layers:
-                layer = cache.layers[li]
-                layer.slot_pos[slots] = positions
-                layer.offset = int(positions[-1]) + 1
-            if in_place:
-                mask[:n] = lead.mask(positions, lead.slot_pos)
+            slots = _book(cache, group, positions, mask, in_place)
             mask[n:] = mask[n - 1]  # pads: the last row's (no row without a visible key)
             base = 2 * size + 1 + gi * size
             i64[base:base + n], i64[base + n:base + size] = slots, group.slots
-            seen = mask.any(axis=0)  # (T,): the columns some row may attend to
-            i64[_span_index(size, len(g.groups), gi)] = width - int(np.argmax(seen[::-1]))
+            i64[_span_index(size, len(g.groups), gi)] = _span(mask)
+
+    @staticmethod
+    def _advance_batch(b: _Bucket, caches: list[KVCache], tokens: list[int],
+                       positions: list[np.ndarray]) -> None:
+        """``_advance`` for a batch graph: cache j's token at positions[j] (1,) booked in it
+        and written into row j of b's host inputs (``_batch_inputs``' layout)."""
+        n, groups = b.size, b.members[0].groups
+        i64, masks = b.host.i64.numpy(), b.host.masks.numpy()
+        i64[:n], i64[n:2 * n] = tokens, np.concatenate(positions)
+        for gi, group in enumerate(groups):
+            start, width, _ = b.mask_spans[gi]
+            mask = masks[start:start + n * width].reshape(n, width)
+            for j, (cache, at) in enumerate(zip(caches, positions, strict=True)):
+                row = mask[j:j + 1]
+                i64[_batch_index(n, len(groups), "slots", gi) + j] = _book(
+                    cache, group, at, row, True)[0]
+                i64[_batch_index(n, len(groups), "spans", gi) + j] = _span(row)
 
     # -- graphs ----------------------------------------------------------------------------
     @_locked
@@ -587,10 +694,65 @@ class StepGraphs:
             if g.signature == sig and g.owner() is None:
                 self._attach(g, cache)
                 return g
-        _make_room(graphs, evict)
+        for gone in _make_room(graphs, evict):
+            self._drop_batches_of(model, gone)
         g = self._new_graph(cache, sig)
         graphs.append(g)
         return g
+
+    def _batch_for(self, model, members: tuple[_Graph, ...]) -> _Bucket:
+        """The batch graph of these caches' graphs (made at the set's first step; the
+        least recently used goes past MAX_BATCH_GRAPHS_PER_MODEL)."""
+        batches = self._batches.setdefault(id(model), {})
+        key = tuple(id(g) for g in members)  # (members hold their graphs: no id reused)
+        b = batches.pop(key, None) or self._new_batch(members)
+        batches[key] = b  # the most recent last
+        while len(batches) > MAX_BATCH_GRAPHS_PER_MODEL:
+            batches.pop(next(iter(batches)))
+        return b
+
+    def _drop_batches_of(self, model, g: _Graph) -> None:
+        """Forget the batch graphs over g's storage (g itself is gone)."""
+        batches = self._batches.get(id(model), {})
+        for key in [key for key, b in batches.items()
+                    if any(m is g for m in b.members)]:  # (identity: _Graph's == is fields')
+            del batches[key]
+
+    def _new_batch(self, members: tuple[_Graph, ...]) -> _Bucket:
+        """A batch graph's buffers and inputs (``_batch_index``' layout: tokens, positions,
+        then each group's write slots and mask spans, a sequence each; each group's masks
+        (N, T)); its graph is captured at its first replay."""
+        n, lead = len(members), members[0]
+        groups = lead.groups
+        spans, total = [], 0
+        for group in groups:  # (in place: decode's write replaces no key it attends to)
+            spans.append((total, group.slots, True))
+            total += n * group.slots
+        b = _Bucket(n, *self._step_buffers(("batch", lead.signature, n),
+                                           _batch_index(n, len(groups), "end"), total),
+                    spans, members=members)
+        b.inputs = self._batch_inputs(b)
+        return b
+
+    def _batch_inputs(self, b: _Bucket) -> tuple:
+        """(ids (N,), positions (N,), no last row (every row's logits), per-layer
+        ``_BatchLayer``s over each sequence's storage) on b's device buffers."""
+        n, groups = b.size, b.members[0].groups
+        i64 = b.dev_i64
+        layers = {}
+        for gi, group in enumerate(groups):
+            start, width, _ = b.mask_spans[gi]
+            masks = b.dev_masks[start:start + n * width].view(n, width)
+            slots = _batch_index(n, len(groups), "slots", gi)
+            spans = _batch_index(n, len(groups), "spans", gi)
+            # one view a sequence, shared by the group's layers (``_warm_up`` groups by it)
+            rows = [(i64[slots + j:slots + j + 1], masks[j:j + 1], i64[spans + j:spans + j + 1])
+                    for j in range(n)]
+            for li in group.layers:
+                layers[li] = _BatchLayer([
+                    _StepLayer(*g.stores[li], *row, group.slots, True, self.backend.kernels)
+                    for g, row in zip(b.members, rows, strict=True)])
+        return i64[:n], i64[n:2 * n], None, [layers[i] for i in range(len(layers))]
 
     @staticmethod
     def _attach(g: _Graph, cache: KVCache) -> None:
@@ -646,19 +808,25 @@ class StepGraphs:
             width = group.slots + (0 if in_place else size)
             spans.append((total, width, in_place))
             total += size * width
-        host_i64 = torch.zeros(_span_index(size, len(g.groups), len(g.groups)),
-                               dtype=torch.int64)
-        host_masks = torch.zeros(total, dtype=torch.bool)
-        if self.capture:  # pinned: copied to the device without a stall
+        return _Bucket(size, *self._step_buffers(
+            (g.signature, size, layout), _span_index(size, len(g.groups), len(g.groups)),
+            total), spans)
+
+    def _step_buffers(self, key: tuple, n_i64: int, n_masks: int
+                      ) -> tuple[_HostSet, torch.Tensor, torch.Tensor]:
+        """A new bucket's host set (n_i64 int64s, n_masks mask bytes; pinned on a GPU: copied
+        to the device without a stall) and the device buffers of ``key`` (its layout and
+        size), which every graph of that key shares: each launch fills all of them,
+        stream-ordered after the replay before (the host sets are each bucket's own: a
+        launch's copy from them may still be under way)."""
+        host_i64 = torch.zeros(n_i64, dtype=torch.int64)
+        host_masks = torch.zeros(n_masks, dtype=torch.bool)
+        if self.capture:
             host_i64, host_masks = host_i64.pin_memory(), host_masks.pin_memory()
-        # the device's copies are shared by every graph of this layout: each launch fills
-        # all of them, stream-ordered after the replay before (the host sets are the
-        # bucket's own: a launch's copy from them may still be under way)
-        key = (g.signature, size, layout)
         if key not in self._step_inputs:
             dev = self.backend.device
             self._step_inputs[key] = (host_i64.to(dev), host_masks.to(dev))
-        return _Bucket(size, _HostSet(host_i64, host_masks), *self._step_inputs[key], spans)
+        return (_HostSet(host_i64, host_masks), *self._step_inputs[key])
 
     def _inputs(self, g: _Graph, b: _Bucket) -> tuple:
         """(ids (B,), positions (B,), last (1,), per-layer views) over b's device buffers."""
@@ -687,7 +855,8 @@ class StepGraphs:
         (an H200 then parted from eager steps by up to 0.3 logit at a second turn's prompt
         once a window's ring had wrapped). (Copies of the rows, put back after, did the
         same with a bucket's rows of every layer held: 9.4 MB for Gemma 3's 512 tokens.)"""
-        groups = {id(layer.slots): layer for layer in b.inputs[3]}.values()  # (shared)
+        step_layers = [part for layer in b.inputs[3] for part in getattr(layer, "parts", [layer])]
+        groups = {id(layer.slots): layer for layer in step_layers}.values()  # (shared)
         saved = [layer.slots.clone() for layer in groups]  # (B,) each
         for layer in groups:
             layer.slots.fill_(layer.stored)  # the spare row, which no query reads
@@ -701,12 +870,14 @@ class StepGraphs:
         one step (a capture runs nothing)."""
         start, tuned = time.perf_counter(), self.backend.tuning_seconds()
 
-        b.best_logit, b.best_id = self._outputs()
+        if not b.members:  # (a batch's logits go to the host: sampled there)
+            b.best_logit, b.best_id = self._outputs()
 
         def step():
             self.backend._rope_memo = (None, {})  # tables must be computed inside the graph
             logits = self._shared_logits(model, _step(model, *b.inputs))
-            _greedy(logits, out=(b.best_logit, b.best_id))
+            if not b.members:
+                _greedy(logits, out=(b.best_logit, b.best_id))
             return logits
 
         b.graph, b.logits = self._record(lambda: self._warm_up(model, b), step)
@@ -718,18 +889,21 @@ class StepGraphs:
         self.captures += 1
 
 
-def _make_room(graphs: list[_Graph], evict: bool) -> None:
+def _make_room(graphs: list[_Graph], evict: bool) -> list[_Graph]:
     """Make room in a model's graphs for one more: graphs whose cache is gone (orphans:
     their storage waits for a new cache of their layout) go first, oldest first, and at
     most MAX_ORPHANS_PER_MODEL of them stay (each holds a dead cache's memory); then, at
     MAX_GRAPHS_PER_MODEL and with ``evict``, the oldest live cache's graphs go (without,
-    the model keeps one more: ``StepGraphs.forward``)."""
+    the model keeps one more: ``StepGraphs.forward``). Returns the graphs removed."""
+    gone = []
     orphans = [g for g in graphs if g.owner() is None]
     while orphans and (len(orphans) > MAX_ORPHANS_PER_MODEL
                        or len(graphs) >= MAX_GRAPHS_PER_MODEL):
-        graphs.remove(orphans.pop(0))
+        gone.append(orphans.pop(0))
+        graphs.remove(gone[-1])
     if evict and len(graphs) >= MAX_GRAPHS_PER_MODEL:
-        graphs.pop(0)
+        gone.append(graphs.pop(0))
+    return gone
 
 
 def _with_spare_row(t: torch.Tensor) -> torch.Tensor:
@@ -742,23 +916,62 @@ def _with_spare_row(t: torch.Tensor) -> torch.Tensor:
     return full.as_subclass(type(t))
 
 
+def _book(cache: KVCache, group: _Group, positions: np.ndarray, mask: np.ndarray,
+          in_place: bool) -> np.ndarray:
+    """What update_and_fetch does on the host for tokens at ``positions`` (n,) in the
+    group's layers of ``cache`` (their slot positions and offsets), and their visibility in
+    mask[:n] (over the group's storage after the write, or, not ``in_place``, over the rows
+    before it followed by mask's rows of new ones); returns the write slots (n,)."""
+    n = len(positions)
+    lead = cache.layers[group.layers[0]]
+    slots = lead.slot_of(positions)
+    if not in_place:  # attends over the rows before the write, then the new ones
+        old = np.where(lead.slot_pos < positions[0], lead.slot_pos, -1)
+        pads = np.full(mask.shape[0] - n, -1)  # never seen
+        mask[:n] = lead.mask(positions, np.concatenate([old, positions, pads]))
+    for li in group.layers:
+        layer = cache.layers[li]
+        layer.slot_pos[slots] = positions
+        layer.offset = int(positions[-1]) + 1
+    if in_place:
+        mask[:n] = lead.mask(positions, lead.slot_pos)
+    return slots
+
+
+def _span(mask: np.ndarray) -> int:
+    """The columns of mask (rows, T) up to the last that any row sees."""
+    seen = mask.any(axis=0)  # (T,)
+    return mask.shape[1] - int(np.argmax(seen[::-1]))
+
+
+def _batch_index(n: int, n_groups: int, part: str, group: int = 0) -> int:
+    """Where a batch graph of n sequences keeps ``part`` of a group in its int64 buffer:
+    tokens (n), positions (n), every group's write slots (n each), then every group's mask
+    spans (n each); "end": the buffer's length."""
+    slots = 2 * n
+    spans = slots + n_groups * n
+    return {"slots": slots + group * n, "spans": spans + group * n,
+            "end": spans + n_groups * n}[part]
+
+
 def _span_index(size: int, n_groups: int, group: int) -> int:
     """Where group's mask span sits in a bucket's int64 buffer: after the tokens, positions
     (size each), the last row (1) and every group's write slots (size each)."""
     return 2 * size + 1 + n_groups * size + group
 
 
-def _step(model, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
+def _step(model, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None,
           layers: list) -> torch.Tensor:
     """Model.forward's steps for B tokens (ids, positions (B,) on the device): the logits
-    (1, vocab) of row ``last``."""
+    (1, vocab) of row ``last``, or (``last`` None: a batch graph's) of every row (B,
+    vocab)."""
     B = model.backend
     x = B.embed(model.tok_embd, ids)  # (B, d)
     if model.embed_scale != 1.0:
         x = B.scale(x, model.embed_scale)
     # each block's last add also applies the next norm (the last block's: the output norm)
     x = model.chained_blocks(x, positions, layers)
-    if x.shape[0] > 1:
+    if last is not None and x.shape[0] > 1:
         x = x.index_select(0, last)  # (1, d)
     logits = B.matmul(x, model.output)  # (1, vocab)
     if model.args.final_logit_softcap:

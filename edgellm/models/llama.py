@@ -307,7 +307,9 @@ class Model:
         in the batch can run as graphs (its own, made without evicting another's:
         ``StepGraphs.forward``'s ``evict``; else the batch runs eagerly): a GPU's eager
         step costs more host time (~40 ms for the 1.5B on an H100) than a replay of the
-        whole model per sequence (~1.8 ms with its logits to the host).
+        whole model per sequence (~1.8 ms with its logits to the host). Where every
+        sequence brings one token (decode), the set replays one graph of them all
+        (``StepGraphs.queue_batch``: the weights read once for the batch).
         """
         tokens = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in batch]
         caches = [cache for _, cache in batch]
@@ -361,7 +363,8 @@ class Model:
 
     def _replayed_batch(self, graphs, tokens: list[np.ndarray], caches: list[KVCache],
                         want: list[bool]) -> list[np.ndarray | None] | None:
-        """``forward_batch`` as each sequence's own graph replay, or None (nothing run)
+        """``forward_batch`` as one graph of the set (decode) or each sequence's own graph
+        replay, or None (nothing run)
         where a cache cannot run as graphs (sink tokens, a quantized cache, a ring slice
         longer than the ring) or, with several sequences, cannot take its tokens (the
         eager path raises ContextOverflow before writing any; a lone sequence's replay
@@ -372,6 +375,10 @@ class Model:
                     graphs.graph_for_step(self, len(t), c, evict=False) is None
                     for t, c in pairs)):
                 return None
+            if len(pairs) > 1:  # one graph of the set, where it can (a token each)
+                batched = graphs.queue_batch(self, tokens, caches, want)
+                if batched is not None:
+                    return batched()
             queued = []  # each step queued while the GPU runs the one before; waited once
             for (t, c), w in zip(pairs, want, strict=True):
                 logits = graphs.queue_step(self, t, c, evict=False, want_logits=w)
