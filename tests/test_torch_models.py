@@ -905,6 +905,59 @@ def test_decode_batches_replay_one_graph_of_their_set(tmp_path, monkeypatch, tri
     assert again is not last and caches[0] in [g.owner() for g in again.members]
 
 
+def test_decode_tokens_past_a_batch_graph_and_beside_a_prompt(tmp_path, monkeypatch):
+    """A step with more decode tokens than a batch graph holds (MAX_BATCH_SEQUENCES: 2
+    here) and a joining request's prompt chunk: the decode tokens replay batch graphs of
+    up to 2 in the batch's order, the one left over and the prompt their own caches'
+    graphs, all queued before any is waited for; the eager batch's logits and books."""
+    from edgellm.backends.torch import graphs as graphs_module
+    from edgellm.quants import Q
+
+    monkeypatch.setattr(graphs_module, "MAX_BATCH_SEQUENCES", 2)
+    backend = _graph_backend()
+    net = _tiny_net(tmp_path, Q.Q8_0, backend)
+    graphs = backend.graphs
+    singles, batched = [], []
+    real_step, real_batch = graphs.queue_step, graphs.queue_batch
+    monkeypatch.setattr(graphs, "queue_step",
+                        lambda *a, **k: singles.append(a[2]) or real_step(*a, **k))
+
+    def spy_batch(*a, **k):
+        wait = real_batch(*a, **k)
+        batched.extend([len(a[2])] if wait is not None else [])
+        return wait
+
+    monkeypatch.setattr(graphs, "queue_batch", spy_batch)
+    prompts = [[1, 5, 9], [3, 8, 2, 7], [44], [6, 6], [90, 12, 3, 4, 5]]
+
+    def run(use_graphs: bool):
+        backend.graphs = graphs if use_graphs else None
+        try:
+            caches = [net.make_cache(64) for _ in range(6)]
+            tokens = [int(net.forward_batch([(np.array(p), c)])[0].argmax())
+                      for p, c in zip(prompts, caches[:5], strict=True)]
+            joining = net.forward_batch(
+                [(np.array([t]), c) for t, c in zip(tokens, caches[:5], strict=True)]
+                + [(np.array([7, 9, 11]), caches[5])])
+            tokens = [int(x.argmax()) for x in joining]
+            six = net.forward_batch([(np.array([t]), c) for t, c in zip(tokens, caches,
+                                                                         strict=True)])
+            return joining + six, caches
+        finally:
+            backend.graphs = graphs
+
+    (got, caches), (eager, eager_caches) = run(True), run(False)
+    for g, e in zip(got, eager, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
+        assert int(g.argmax()) == int(e.argmax())
+    for c, e in zip(caches, eager_caches, strict=True):
+        assert c.offset == e.offset
+        for layer, layer_e in zip(c.layers, e.layers, strict=True):
+            assert np.array_equal(layer.slot_pos, layer_e.slot_pos)
+    assert batched == [2, 2] + [2, 2, 2]  # (0, 1), (2, 3); then (0, 1), (2, 3), (4, 5)
+    assert singles == caches[:5] + [caches[4], caches[5]]  # prompts; the 5th, the joiner
+
+
 def test_device_draw_equals_the_host_draw():
     """graphs._sample (top-k of the candidates, top-p, min-p, temperature, the draw by a
     uniform) picks the token the host's chain picks for the same uniform, on logits with

@@ -48,7 +48,8 @@ that draws the token from the 64 largest logits (``_sample``), a uniform from th
 generator a step.
 
 Several caches decoding together (an engine's concurrent users: ``Model.forward_batch``)
-replay one graph of their set (``queue_batch``), not each its own: their tokens go through
+replay one graph of their set (``queue_batch``; up to 8 a graph, ``queue_batches``, beside
+a prompt's chunk that replays its own cache's graph), not each its own: their tokens go through
 the mat-vecs as one batch of 2..8 rows, so each weight is read once a step for all of them
 (the kernels' arithmetic is per token: each sequence's logits are those of its own step
 alone), and each sequence attends over its own cache's storage, which the set's caches'
@@ -360,6 +361,26 @@ class StepGraphs:
             return None if copied is None else copied.numpy().copy()  # (the buffer is reused)
 
         return wait
+
+    @_locked
+    def queue_batches(self, model, tokens: list[np.ndarray], caches: list[KVCache],
+                      want: list[bool]) -> dict[int, Callable[[], np.ndarray | None]]:
+        """``queue_batch`` over the sequences of a batch that bring one token (decode), in
+        groups of up to MAX_BATCH_SEQUENCES in the batch's order: {the sequence's index: a
+        function that waits and returns its logits (vocab,) or None (``want``)} for those
+        queued. The rest (a prompt's chunk; a group of one, or one ``queue_batch``
+        declines) are the caller's to step."""
+        decoding = [j for j, t in enumerate(tokens) if len(t) == 1]
+        waits: dict[int, Callable[[], np.ndarray | None]] = {}
+        for start in range(0, len(decoding), MAX_BATCH_SEQUENCES):
+            group = decoding[start:start + MAX_BATCH_SEQUENCES]
+            wait = self.queue_batch(model, [tokens[j] for j in group],
+                                    [caches[j] for j in group], [want[j] for j in group])
+            if wait is not None:
+                rows = functools.cache(wait)  # (waited for once, whichever row asks first)
+                waits.update({j: lambda at=at, rows=rows: rows()[at]
+                              for at, j in enumerate(group)})
+        return waits
 
     @_locked
     def queue_batch(self, model, tokens: list[np.ndarray], caches: list[KVCache],

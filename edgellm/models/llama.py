@@ -301,15 +301,16 @@ class Model:
         attention run per sequence, at its own positions against its own cache. Returns each
         sequence's logits (vocab,) for its last token, or None where ``want_logits`` says
         False. Every op's arithmetic is per token, so a sequence's logits are the ones
-        ``forward`` gives it alone, whatever else is in the batch. On a backend that replays
+        ``forward`` gives it alone, whatever else is in the batch (CPU torch's dense f32
+        matmul aside: it rounds another row count otherwise). On a backend that replays
         graphs (the engine's users, the server's or the C ABI's, on a GPU) each sequence's
         step replays its own cache's graphs instead, one after another, where every cache
         in the batch can run as graphs (its own, made without evicting another's:
         ``StepGraphs.forward``'s ``evict``; else the batch runs eagerly): a GPU's eager
         step costs more host time (~40 ms for the 1.5B on an H100) than a replay of the
-        whole model per sequence (~1.8 ms with its logits to the host). Where every
-        sequence brings one token (decode), the set replays one graph of them all
-        (``StepGraphs.queue_batch``: the weights read once for the batch).
+        whole model per sequence (~1.8 ms with its logits to the host). The sequences
+        that bring one token (decode) replay batch graphs of their sets instead, up to 8
+        a graph (``StepGraphs.queue_batches``: the weights read once a batch graph).
         """
         tokens = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in batch]
         caches = [cache for _, cache in batch]
@@ -363,29 +364,28 @@ class Model:
 
     def _replayed_batch(self, graphs, tokens: list[np.ndarray], caches: list[KVCache],
                         want: list[bool]) -> list[np.ndarray | None] | None:
-        """``forward_batch`` as one graph of the set (decode) or each sequence's own graph
-        replay, or None (nothing run)
-        where a cache cannot run as graphs (sink tokens, a quantized cache, a ring slice
-        longer than the ring) or, with several sequences, cannot take its tokens (the
-        eager path raises ContextOverflow before writing any; a lone sequence's replay
-        raises it as early)."""
+        """``forward_batch`` as graph replays: the sequences that bring a token each
+        (decode) as batch graphs of their sets (``StepGraphs.queue_batches``), the rest (a
+        prompt's chunk) each its own cache's graph; or None (nothing run) where a cache
+        cannot run as graphs (sink tokens, a quantized cache, a ring slice longer than the
+        ring) or, with several sequences, cannot take its tokens (the eager path raises
+        ContextOverflow before writing any; a lone sequence's replay raises it as early)."""
         pairs = list(zip(tokens, caches, strict=True))
         with graphs.exclusive():  # (another thread's step cannot evict between check and run)
             if len(pairs) > 1 and (not all(c.fits(len(t)) for t, c in pairs) or any(
                     graphs.graph_for_step(self, len(t), c, evict=False) is None
                     for t, c in pairs)):
                 return None
-            if len(pairs) > 1:  # one graph of the set, where it can (a token each)
-                batched = graphs.queue_batch(self, tokens, caches, want)
-                if batched is not None:
-                    return batched()
-            queued = []  # each step queued while the GPU runs the one before; waited once
-            for (t, c), w in zip(pairs, want, strict=True):
+            # every step queued while the GPU runs the one before; waited for once
+            queued = graphs.queue_batches(self, tokens, caches, want) if len(pairs) > 1 else {}
+            for j, ((t, c), w) in enumerate(zip(pairs, want, strict=True)):
+                if j in queued:
+                    continue
                 logits = graphs.queue_step(self, t, c, evict=False, want_logits=w)
                 if logits is None:  # (a lone sequence, not checked above: nothing was run)
                     return None
-                queued.append(logits)
-            return [None if (x := logits()) is None else x[-1] for logits in queued]
+                queued[j] = partial(_last_row, logits)
+            return [queued[j]() for j in range(len(pairs))]
 
     def _attention_batch(self, i: int, w: AttentionWeights, x, positions: np.ndarray,
                          bounds: np.ndarray, layers: list[LayerCache]):
@@ -512,3 +512,9 @@ class Model:
         B = self.backend
         act = B.gated_projection(x, block.w_gate, block.w_up, self.activation == "gelu_tanh")
         return B.matmul(act, block.w_down)
+
+
+def _last_row(logits: Callable[[], np.ndarray | None]) -> np.ndarray | None:
+    """The last row of what ``logits()`` returns (a queued step's logits), or None."""
+    rows = logits()
+    return None if rows is None else rows[-1]
