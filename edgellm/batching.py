@@ -20,7 +20,10 @@ a token (the books, detokenizing, the event) overlaps the GPU's step, and no log
 back. It needs a chain the device draws (greedy, or top-k/top-p/min-p/temperature without
 penalties or bias) and no logprobs. A step with anything else to do (a new request, a
 cancel, the end) closes the stream first, which takes the step it ran ahead back out of
-the cache.
+the cache. Several sequences decoding, and nothing else in the step, take their tokens
+from one batch step on the device the same way (``Model.sampled_batch``;
+``Scheduler._device_draw_step``), each drawn by its own chain and generator, without the
+logits coming back (not run ahead: each step's tokens are read before the next is queued).
 
 A finished sequence's slot keeps what its cache holds (prompt and reply) for prefix reuse
 until another request needs the slot (least recently used first).
@@ -33,6 +36,7 @@ when sampling with a seed).
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgellm.cache import KVCache
-from edgellm.generate import StopMatcher
+from edgellm.generate import StopMatcher, non_finite
 from edgellm.sampling import SamplingParams, logits_processor, make_sampler
 
 #: tokens one forward pass takes at most (the model's own prompt slice)
@@ -270,6 +274,9 @@ class Scheduler:
         plan = self._plan()
         if not plan:
             return 0
+        drawn = self._device_draw_step([seq for seq, _, _ in plan])
+        if drawn is not None:
+            return drawn
         batch = [(np.asarray(tokens, dtype=np.int64), seq.slot.cache) for seq, tokens, _ in plan]
         want = [w for _, _, w in plan]
         try:
@@ -337,6 +344,39 @@ class Scheduler:
         self._accept(seq, token)
         self._count_sampled(1)
         return 1
+
+    def _device_draw_step(self, seqs: list[SequenceState]) -> int | None:
+        """Two or more sequences decoding and nothing else in the step, none wanting
+        logprobs: their next tokens drawn on the device (``net.sampled_batch``: one batch
+        step, no logits to the host, each sequence's own generator drawn as the host's
+        sampler draws it); the tokens run, or None where the net cannot (nothing run or
+        drawn: the step runs as usual). A sequence whose logits went NaN or infinite
+        ends in an error, as a device stream's does."""
+        draw = getattr(self.net, "sampled_batch", None)
+        if draw is None or len(seqs) < 2 or any(
+                s.pending is None or s.request.logprobs is not None for s in seqs):
+            return None
+        batch = [(np.array([s.pending], dtype=np.int64), s.slot.cache) for s in seqs]
+        try:
+            picked = draw(batch, [s.params for s in seqs], [s.rng for s in seqs])
+        except Exception as exc:  # noqa: BLE001 - as a failed forward pass: end these
+            self.counters.errors += 1
+            for seq in seqs:
+                self._fail(seq, f"{type(exc).__name__}: {exc}")
+            return 0
+        if picked is None:
+            return None
+        self.counters.steps += 1
+        for seq, (token, logit) in zip(seqs, picked, strict=True):
+            seq.slot.ids.append(seq.pending)
+            seq.pending = None
+            if math.isfinite(logit):
+                self._accept(seq, token)
+            else:
+                self.counters.errors += 1
+                self._fail(seq, str(non_finite(len(seq.generated) + 1)))
+        self._count_sampled(len(seqs))
+        return len(seqs)
 
     def _close_streams(self) -> None:
         for seq in [s for s in self.running if s.stream is not None]:

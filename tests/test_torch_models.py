@@ -962,11 +962,13 @@ def test_device_draw_equals_the_host_draw():
     """graphs._sample (top-k of the candidates, top-p, min-p, temperature, the draw by a
     uniform) picks the token the host's chain picks for the same uniform, on logits with
     ties at the k-th (as many as the candidates hold) and at the top, and returns the
-    logits' maximum."""
+    logits' maximum; over every row at once (a batch graph's draw) as over each alone, and
+    GREEDY_KNOBS draw the argmax (the first of tied maxima)."""
     from edgellm.backends.torch import graphs as graphs_module
     from edgellm.sampling import SamplingParams, _in_play
 
     rng = np.random.default_rng(0)
+    rows = []  # (logits, knobs, the host's token)
     for trial in range(300):
         logits = (rng.normal(size=1000) * rng.choice([0.3, 2.0, 8.0])).astype(np.float32)
         top_k = int(rng.choice([1, 2, 40, 64]))
@@ -985,8 +987,18 @@ def test_device_draw_equals_the_host_draw():
         knobs = graphs_module._Draw(params, np.random.default_rng(0)).knobs()
         knobs[3] = u
         best, token = graphs_module._sample(torch.from_numpy(logits)[None],
-                                            torch.tensor(knobs, dtype=torch.float64))
+                                            torch.tensor([knobs], dtype=torch.float64))
         assert int(token) == want and float(best) == logits.max()
+        rows.append((logits, knobs, want))
+    # every row at once (a batch graph's draw), and each row's argmax by GREEDY_KNOBS (the
+    # first of tied maxima: a third of the rows tie at the top)
+    logits = torch.from_numpy(np.stack([r[0] for r in rows]))
+    best, tokens = graphs_module._sample(logits, torch.tensor([r[1] for r in rows],
+                                                              dtype=torch.float64))
+    assert tokens.tolist() == [r[2] for r in rows]
+    assert np.array_equal(best.numpy(), logits.numpy().max(axis=1))
+    greedy = torch.tensor([graphs_module.GREEDY_KNOBS] * len(rows), dtype=torch.float64)
+    assert graphs_module._sample(logits, greedy)[1].tolist() == logits.numpy().argmax(1).tolist()
 
 
 @pytest.mark.parametrize("gemm", ["dequantize", "fused", "tuned"],
@@ -1132,3 +1144,74 @@ def test_engine_streams_a_lone_sequence_from_the_device(tmp_path, monkeypatch):
     assert reason == "cancelled" and tokens == alone[id(sampled)][0][:len(tokens)]
     logprobs = serve([Request(prompts[0], greedy, logprobs=2)], True)[0]
     assert logprobs == alone[id(greedy)]
+
+
+def test_engine_draws_concurrent_sequences_tokens_on_the_device(tmp_path, monkeypatch):
+    """Several requests decoding at once, and nothing else in the step, take their tokens
+    from one batch step that draws each on the device (``Model.sampled_batch``): greedy
+    and seeded sampled requests get the tokens each gets alone on the host path (graphs
+    off), no decode step bringing logits to the host. A penalised request among them sends
+    their steps to the host's samplers (each still its own tokens). A sequence whose
+    logits go NaN in such a step ends in an error that says so; the others go on."""
+    from edgellm.engine import Engine, Request
+    from edgellm.sampling import SamplingParams
+
+    model = _tiny_model(tmp_path)
+    graphs = model.backend.graphs
+    drawn, nan_at = [], []  # each sampled_batch's result; the draw whose 2nd row turns NaN
+    real_draw = model.net.sampled_batch
+
+    def spy_draw(*args, **kwargs):
+        picked = real_draw(*args, **kwargs)
+        if picked is not None and len(drawn) in nan_at:
+            picked[1] = (picked[1][0], float("nan"))
+        drawn.append(picked)
+        return picked
+
+    monkeypatch.setattr(model.net, "sampled_batch", spy_draw)
+    to_host = []  # logits brought to the host (by the step's bucket size)
+    real_reader = graphs._logits_reader
+    monkeypatch.setattr(graphs, "_logits_reader", lambda b, want: to_host.extend(
+        [b.size] if want else []) or real_reader(b, want))
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    sampled = SamplingParams(seed=5, top_k=40, max_tokens=12, ignore_eos=True)
+    warm = SamplingParams(seed=9, temperature=1.3, top_k=60, top_p=0.8, min_p=0.0,
+                          max_tokens=8, ignore_eos=True)
+    penalised = SamplingParams(seed=6, top_k=40, repetition_penalty=1.3, max_tokens=6,
+                               ignore_eos=True)
+    prompts = [[1, 40, 41, 42, 43], [1, 50, 60, 70], [1, 99, 98]]
+
+    def serve(params, use_graphs: bool, first: int = 0):
+        """Each request's (tokens, finish reason, error): params[i] on prompts[first + i]."""
+        model.backend.graphs = graphs if use_graphs else None
+        engine = Engine(model, ctx=64, max_seqs=3, start=False, prefault=False)
+        try:
+            handles = [engine.submit(Request(prompt, p))
+                       for prompt, p in zip(prompts[first:], params, strict=False)]
+            while not all(h.done for h in handles):
+                engine.step()
+            return [(c.tokens, c.finish_reason, c.error) for c in (h.result(0) for h in handles)]
+        finally:
+            engine.close()
+            model.backend.graphs = graphs
+
+    chains = [greedy, sampled, warm]
+    alone = [serve([p], False, first=i)[0] for i, p in enumerate(chains)]
+    drawn.clear()
+    together = serve(chains, True)
+    assert together == alone
+    assert sum(d is not None for d in drawn) >= 7  # (the 3 decode together, then 2)
+    assert to_host == [8, 8, 8]  # each prompt's (its bucket of 8), for its first token: no
+    # decode step's (a lone one's come from its device stream)
+    drawn.clear()
+    mixed = serve([greedy, penalised], True)
+    assert mixed == [alone[0], serve([penalised], False, first=1)[0]]
+    assert drawn and all(d is None for d in drawn)  # (the host's samplers)
+    drawn.clear()
+    nan_at.append(2)
+    faulted = serve(chains, True)
+    assert faulted[0] == together[0] and faulted[2] == together[2]
+    tokens, reason, error = faulted[1]
+    assert reason == "error" and "NaN or infinite" in error
+    assert tokens == together[1][0][:len(tokens)]
+

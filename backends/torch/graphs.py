@@ -55,7 +55,10 @@ the mat-vecs as one batch of 2..8 rows, so each weight is read once a step for a
 alone), and each sequence attends over its own cache's storage, which the set's caches'
 graphs hold (so a batch graph adds no KV memory; it is dropped with any of them). A set is
 captured at its first step; an engine's slots keep their caches, so a set of users decoding
-together replays the same graph until one of them is done.
+together replays the same graph until one of them is done. Its logits come to the host
+(N, vocab), or (``sample_batch``) each sequence's token is drawn after it on the device by
+its own chain (``_sample`` over the rows, each with its own knobs), and only the tokens come
+back.
 """
 
 from __future__ import annotations
@@ -383,11 +386,33 @@ class StepGraphs:
         return waits
 
     @_locked
+    def sample_batch(self, model, tokens: list[np.ndarray], caches: list[KVCache],
+                     params: list, rngs: list[np.random.Generator]
+                     ) -> Callable[[], list[tuple[int, float]]] | None:
+        """``queue_batch`` with each sequence's next token drawn on the device by its
+        params' chain (``_sample``; the argmax where ``params.argmax_only``), one uniform of
+        its generator a token as the host's sampler draws it: a function that waits and
+        returns each sequence's (token, the logits' maximum: NaN or inf marks a fault).
+        None, with nothing run or drawn, where a chain needs the host (``samplable``) or
+        the batch cannot run as one graph (``queue_batch``)."""
+        vocab = model.args.vocab_size
+        if not all(p.argmax_only or samplable(p, vocab) for p in params):
+            return None
+        draws = [None if p.argmax_only else _Draw(p, rng)
+                 for p, rng in zip(params, rngs, strict=True)]
+        return self.queue_batch(model, tokens, caches, [True] * len(caches), draws)
+
+    @_locked
     def queue_batch(self, model, tokens: list[np.ndarray], caches: list[KVCache],
-                    want: list[bool]) -> Callable[[], list[np.ndarray | None]] | None:
+                    want: list[bool], draws: list[_Draw | None] | None = None
+                    ) -> Callable[[], list] | None:
         """A decode step of several caches (a token each: ``tokens`` (1,) a cache) as the
         one graph of their set, queued and not waited for: a function that waits and
-        returns each sequence's logits (vocab,), None where ``want`` says False. Every
+        returns each sequence's logits (vocab,), None where ``want`` says False; or, with
+        ``draws`` (a sequence's ``_Draw``, or None for the argmax), each sequence's next
+        token drawn on the device (``_sample``, after the step: no logits to the host) and
+        the logits' maximum, (token, logit) (NaN or inf: a fault), a uniform drawn from
+        each generator when the step is queued. Every
         token goes through the mat-vecs together (each weight read once a step, not once a
         sequence); each attends over its own cache (``_BatchLayer``). Returns None, with
         nothing booked or run, where the batch cannot: off (BATCH_GRAPHS), one sequence or
@@ -397,7 +422,8 @@ class StepGraphs:
         sequence then replays its own graph."""
         n = len(caches)
         if not BATCH_GRAPHS or not 1 < n <= MAX_BATCH_SEQUENCES or any(
-                len(t) != 1 for t in tokens) or not all(c.fits(1) for c in caches):
+                len(t) != 1 for t in tokens) or not all(c.fits(1) for c in caches) or len(
+                {id(c) for c in caches}) < n:
             return None
         members = [self.graph_for_step(model, 1, c, evict=False) for c in caches]
         if any(g is None for g in members) or len({g.signature for g in members}) > 1:
@@ -414,12 +440,18 @@ class StepGraphs:
         b.dev_i64.copy_(b.host.i64, non_blocking=True)
         b.dev_masks.copy_(b.host.masks, non_blocking=True)
         self._replay(model, b)
-        read = self._logits_reader(b, any(want))
+        if draws is not None:
+            self._sample_after(b, [draws[j] for j in order])
+            self._queue_read_back(b.host, *b.sampled)
+            read = functools.partial(self._read_rows, b.host)
+        else:
+            read = self._logits_reader(b, any(want))
 
-        def wait() -> list[np.ndarray | None]:
+        def wait() -> list:
             rows = read()
             by_sequence = {j: rows[at] for at, j in enumerate(order)} if rows is not None else {}
-            return [by_sequence[j] if want[j] else None for j in range(n)]
+            return [by_sequence[j] if draws is not None or want[j] else None
+                    for j in range(n)]
 
         return wait
 
@@ -503,16 +535,21 @@ class StepGraphs:
         chained = tokens is None
         b = self._launch(model, g, 1, cache, np.zeros(1, np.int64) if chained else tokens,
                          from_device=chained, flip=True, draw=draw)
-        host = b.host
+        self._queue_read_back(b.host, *(b.sampled if draw is not None
+                                        else (b.best_logit, b.best_id)))
+        return b.host
+
+    def _queue_read_back(self, host: _HostSet, best_logit: torch.Tensor,
+                         best_id: torch.Tensor) -> None:
+        """Queue the copy of a step's tokens (rows,) and their logits into ``host``
+        (pinned buffers made at its first step), then mark it done."""
         if host.best_id is None:  # made once per host set
             pin = self.capture
-            host.best_id = torch.empty(1, dtype=torch.int64, pin_memory=pin)
-            host.best_logit = torch.empty(1, dtype=torch.float32, pin_memory=pin)
-        best_logit, best_id = b.sampled if draw is not None else (b.best_logit, b.best_id)
+            host.best_id = torch.empty(best_id.shape, dtype=torch.int64, pin_memory=pin)
+            host.best_logit = torch.empty(best_id.shape, dtype=torch.float32, pin_memory=pin)
         host.best_id.copy_(best_id, non_blocking=True)
         host.best_logit.copy_(best_logit, non_blocking=True)
         self._mark_done(host)
-        return host
 
     def _mark_done(self, host: _HostSet) -> torch.cuda.Event | None:
         """Record ``host.done`` after what was just queued (None on the CPU: nothing runs
@@ -526,9 +563,14 @@ class StepGraphs:
 
     @staticmethod
     def _read_back(host: _HostSet) -> tuple[int, float]:
+        return StepGraphs._read_rows(host)[0]
+
+    @staticmethod
+    def _read_rows(host: _HostSet) -> list[tuple[int, float]]:
+        """Each row's (token, logit) that ``_queue_read_back`` copied, once its step is done."""
         if host.done is not None:
             host.done.synchronize()
-        return int(host.best_id[0]), float(host.best_logit[0])
+        return list(zip(host.best_id.tolist(), host.best_logit.tolist(), strict=True))
 
     def _launch(self, model, g: _Graph, size: int, cache: KVCache, tokens: np.ndarray,
                 from_device: bool = False, flip: bool = False,
@@ -555,7 +597,7 @@ class StepGraphs:
             b.inputs = self._inputs(g, b)
         self._replay(model, b)
         if draw is not None:
-            self._sample_after(b, draw)
+            self._sample_after(b, [draw])
         return b
 
     def _replay(self, model, b: _Bucket) -> None:
@@ -580,15 +622,18 @@ class StepGraphs:
             if not b.members:
                 b.best_logit, b.best_id = _greedy(b.logits)
 
-    def _sample_after(self, b: _Bucket, draw: _Draw) -> None:
-        """Queue ``_sample`` over b's logits with this step's knobs (copied from its host
-        set), as a graph of its own where the step's is one (captured at its first use)."""
+    def _sample_after(self, b: _Bucket, draws: list[_Draw | None]) -> None:
+        """Queue ``_sample`` over b's logits, a row a draw (None: the argmax), with this
+        step's knobs (copied from its host set), as a graph of its own where the step's is
+        one (captured at its first use)."""
         host = b.host
         if host.knobs is None:
-            host.knobs = torch.empty(5, dtype=torch.float64, pin_memory=self.capture)
-        host.knobs.numpy()[:] = draw.knobs()
+            host.knobs = torch.empty((len(draws), 5), dtype=torch.float64,
+                                     pin_memory=self.capture)
+        host.knobs.numpy()[:] = [GREEDY_KNOBS if d is None else d.knobs() for d in draws]
         if b.dev_knobs is None:
-            b.dev_knobs = torch.empty(5, dtype=torch.float64, device=self.backend.device)
+            b.dev_knobs = torch.empty((len(draws), 5), dtype=torch.float64,
+                                      device=self.backend.device)
         b.dev_knobs.copy_(host.knobs, non_blocking=True)
         if b.sampler is not None:
             b.sampler.replay()
@@ -606,22 +651,22 @@ class StepGraphs:
 
     def _capture_sampler(self, b: _Bucket) -> torch.cuda.CUDAGraph:
         """``_sample`` over b's (static) logits and knobs as a graph, after a warm-up."""
-        b.sampled = self._outputs()
+        b.sampled = self._outputs(b.logits.shape[0])
         graph, _ = self._record(lambda: _sample(b.logits, b.dev_knobs),
                                 lambda: _sample(b.logits, b.dev_knobs, out=b.sampled))
         return graph
 
-    def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A (1,) float32 and a (1,) int64 on the device, outside the graphs' pool, for a
-        captured step's token and its logit. Captures share one pool, in which blocks a
+    def _outputs(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (rows,) float32 and a (rows,) int64 on the device, outside the graphs' pool,
+        for a captured step's tokens and their logits. Captures share one pool, in which blocks a
         capture freed are another capture's to take: an output allocated inside a capture
         can lie in the scratch of a graph captured before it, which that graph's replay
         overwrites. A decode step run ahead reads its token from the step before after
         other graphs may have replayed (another cache's, on another thread): from the pool,
         that token could be any number, and the embedding's read of it a fault."""
         dev = self.backend.device
-        return (torch.empty(1, dtype=torch.float32, device=dev),
-                torch.empty(1, dtype=torch.int64, device=dev))
+        return (torch.empty(rows, dtype=torch.float32, device=dev),
+                torch.empty(rows, dtype=torch.int64, device=dev))
 
     def _shared_logits(self, model, logits: torch.Tensor) -> torch.Tensor:
         """A step's logits copied into the model's one logits buffer of their rows (made at
@@ -1028,37 +1073,52 @@ class _Draw:
 
 def _sample(logits: torch.Tensor, knobs: torch.Tensor,
             out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``edgellm.sampling``'s chain over logits (1, vocab) on the device with fixed shapes:
-    the SAMPLE_CANDIDATES largest logits in token order, those >= the top_k-th (its ties
-    too, up to the candidates), top-p over them by probability (ties by token), min-p,
-    temperature, then the first token whose running probability passes the uniform u:
-    knobs (5,) f64 = (temperature, top_p, min_p, u, top_k). The host's arithmetic in f64,
+    """``edgellm.sampling``'s chain over each row of logits (R, vocab) on the device with
+    fixed shapes: the SAMPLE_CANDIDATES largest logits in token order, those >= the
+    top_k-th (its ties too, up to the candidates), top-p over them by probability (ties by
+    token), min-p, temperature, then the first token whose running probability passes the
+    uniform u: knobs (R, 5) f64 = (temperature, top_p, min_p, u, top_k) a row
+    (GREEDY_KNOBS: the argmax, the first of equal maxima). The host's arithmetic in f64,
     but its sums are not pairwise over the vocabulary: a draw can differ from the host's
-    only where u falls within a few ulps of a running sum. Returns (the logits' maximum
-    (1,) f32: NaN or inf marks a fault, as ``_greedy``'s; the token (1,) int64), written
-    into ``out`` where given."""
+    only where u falls within a few ulps of a running sum. Returns (each row's maximum
+    logit (R,) f32: NaN or inf marks a fault, as ``_greedy``'s; its token (R,) int64),
+    written into ``out`` where given."""
     k = min(SAMPLE_CANDIDATES, logits.shape[-1])
-    top, ids = logits[0].topk(k)  # (k,) largest first
-    kth = top.gather(0, knobs[4:5].long() - 1).double()  # (1,): the top_k-th largest
-    ids, order = ids.sort()  # token order, as the host's
-    values = top.double()[order]  # (k,)
+    top, ids = logits.topk(k, dim=-1)  # (R, k) largest first
+    kth = top.gather(1, knobs[:, 4:5].long() - 1).double()  # (R, 1): the top_k-th largest
+    ids, order = ids.sort(dim=-1)  # token order, as the host's
+    values = top.double().gather(1, order)  # (R, k)
     # (no tensor made from a Python number: a capture allows no copy from the host)
     keep = values >= kth
-    w = torch.where(keep, torch.exp(values - values.masked_fill(~keep, -math.inf).max()), 0.0)
-    probs = w / w.sum()
-    ranked = torch.sort(-probs, stable=True).indices  # by probability, ties by token
-    cut = torch.searchsorted(torch.cumsum(probs[ranked], 0), knobs[1:2]) + 1  # (1,)
-    within = torch.empty_like(keep).scatter_(
-        0, ranked, torch.arange(k, device=logits.device) < cut)  # the token crossing p stays
-    keep &= within & (probs >= knobs[2] * probs.max())
-    scaled = values / knobs[0]
-    w = torch.where(keep, torch.exp(scaled - scaled.masked_fill(~keep, -math.inf).max()), 0.0)
-    running = torch.cumsum(w / w.sum(), 0)
-    at = torch.searchsorted(running / running[-1], knobs[3:4], right=True).clamp_(max=k - 1)
+    w = torch.where(keep, torch.exp(values - _row_max(values, keep)), 0.0)
+    probs = w / w.sum(-1, keepdim=True)
+    ranked = torch.sort(-probs, dim=-1, stable=True).indices  # by probability, ties by token
+    cut = torch.searchsorted(torch.cumsum(probs.gather(1, ranked), -1),
+                             knobs[:, 1:2].contiguous()) + 1
+    places = torch.arange(k, device=logits.device).expand_as(ranked)
+    within = torch.empty_like(keep).scatter_(1, ranked, places < cut)  # the one crossing p stays
+    keep &= within & (probs >= knobs[:, 2:3] * probs.amax(-1, keepdim=True))
+    scaled = values / knobs[:, 0:1]
+    w = torch.where(keep, torch.exp(scaled - _row_max(scaled, keep)), 0.0)
+    running = torch.cumsum(w / w.sum(-1, keepdim=True), -1)  # (R, k)
+    at = torch.searchsorted(running / running[:, -1:], knobs[:, 3:4].contiguous(),
+                          right=True)
+    at = at.clamp_(max=k - 1)  # (R, 1)
     if out is None:
-        return top[:1].float(), ids.gather(0, at)
-    out[0].copy_(top[:1])
-    return out[0], torch.gather(ids, 0, at, out=out[1])
+        return top[:, 0].float(), ids.gather(1, at)[:, 0]
+    out[0].copy_(top[:, 0])
+    torch.gather(ids, 1, at, out=out[1].view(-1, 1))
+    return out
+
+
+#: ``_sample``'s knobs for the argmax: the largest logit and its ties kept (top-k 1), drawn
+#: at u = 0, which takes the first of them in token order (numpy's argmax)
+GREEDY_KNOBS = (1.0, 2.0, 0.0, 0.0, 1.0)
+
+
+def _row_max(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The largest kept value of each row of values (R, k): (R, 1)."""
+    return values.masked_fill(~keep, -math.inf).amax(-1, keepdim=True)
 
 
 def _greedy(logits: torch.Tensor, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
