@@ -20,10 +20,11 @@ a token (the books, detokenizing, the event) overlaps the GPU's step, and no log
 back. It needs a chain the device draws (greedy, or top-k/top-p/min-p/temperature without
 penalties or bias) and no logprobs. A step with anything else to do (a new request, a
 cancel, the end) closes the stream first, which takes the step it ran ahead back out of
-the cache. Several sequences decoding, and nothing else in the step, take their tokens
-from one batch step on the device the same way (``Model.sampled_batch``;
-``Scheduler._device_draw_step``), each drawn by its own chain and generator, without the
-logits coming back (not run ahead: each step's tokens are read before the next is queued).
+the cache. Several sequences decoding, and nothing else to do, take their tokens from one
+stream of the set the same way (``Model.sampled_batch_tokens``;
+``Scheduler._set_stream_step``): one batch step on the device for all of them, each token
+drawn by its own chain and generator, no logits coming back, the next step queued ahead;
+any change to the set closes it.
 
 A finished sequence's slot keeps what its cache holds (prompt and reply) for prefix reuse
 until another request needs the slot (least recently used first).
@@ -125,6 +126,16 @@ class TokenEvent:
 
 # -- internal state -------------------------------------------------------------------------
 @dataclass
+class SetStream:
+    """Several sequences' tokens picked on the device together
+    (``Model.sampled_batch_tokens``): each step's (token, logit) a member, in ``members``'
+    order."""
+
+    tokens: Iterator[list[tuple[int, float]]]
+    members: list[SequenceState]
+
+
+@dataclass
 class Slot:
     """A KV cache and the tokens it holds (``ids``: exactly the cache's contents, but for
     the step a device stream runs ahead, ``SequenceState.stream``)."""
@@ -146,7 +157,8 @@ class SequenceState:
         self.process = logits_processor(request.params)
         self.rng = np.random.default_rng(request.params.seed)  # its own: seeded runs repeat
         self.sample = make_sampler(request.params, self.rng)
-        self.stream: Iterator[int] | None = None  # its tokens picked on the device, if open
+        # its tokens picked on the device, if open: its own stream, or its set's
+        self.stream: Iterator[int] | SetStream | None = None
         self.detok = tokenizer.detokenizer()
         self.stops = StopMatcher(request.params.stop)
         self.sink = sink
@@ -270,13 +282,15 @@ class Scheduler:
             ran = self._stream_step(lone)
             if ran is not None:
                 return ran
+        together = self._decoding_set()
+        if together is not None:
+            ran = self._set_stream_step(together)
+            if ran is not None:
+                return ran
         self._close_streams()
         plan = self._plan()
         if not plan:
             return 0
-        drawn = self._device_draw_step([seq for seq, _, _ in plan])
-        if drawn is not None:
-            return drawn
         batch = [(np.asarray(tokens, dtype=np.int64), seq.slot.cache) for seq, tokens, _ in plan]
         want = [w for _, _, w in plan]
         try:
@@ -345,31 +359,51 @@ class Scheduler:
         self._count_sampled(1)
         return 1
 
-    def _device_draw_step(self, seqs: list[SequenceState]) -> int | None:
-        """Two or more sequences decoding and nothing else in the step, none wanting
-        logprobs: their next tokens drawn on the device (``net.sampled_batch``: one batch
-        step, no logits to the host, each sequence's own generator drawn as the host's
-        sampler draws it); the tokens run, or None where the net cannot (nothing run or
-        drawn: the step runs as usual). A sequence whose logits went NaN or infinite
-        ends in an error, as a device stream's does."""
-        draw = getattr(self.net, "sampled_batch", None)
-        if draw is None or len(seqs) < 2 or any(
-                s.pending is None or s.request.logprobs is not None for s in seqs):
+    def _decoding_set(self) -> list[SequenceState] | None:
+        """The running sequences, when two or more run and every one is decoding and wants
+        no logprobs (whose tokens the device may pick together: ``_set_stream_step``)."""
+        seqs = list(self.running)
+        if len(seqs) < 2 or any(s.pending is None or s.request.logprobs is not None
+                                for s in seqs):
             return None
-        batch = [(np.array([s.pending], dtype=np.int64), s.slot.cache) for s in seqs]
-        try:
-            picked = draw(batch, [s.params for s in seqs], [s.rng for s in seqs])
-        except Exception as exc:  # noqa: BLE001 - as a failed forward pass: end these
-            self.counters.errors += 1
+        return seqs
+
+    def _set_stream_step(self, seqs: list[SequenceState]) -> int | None:
+        """Feed each of ``seqs``' pending tokens and take their next from the set's device
+        stream (``Model.sampled_batch_tokens``: one batch step, each drawn by its own chain,
+        no logits to the host, the next step queued before these are read; opened at the
+        set's first such step, after any other stream is closed): the tokens run (0 when
+        the step failed and ended them), or None where the net cannot (the step runs as
+        usual). A sequence whose logits went NaN or infinite ends in an error, as a lone
+        stream's does."""
+        stream = seqs[0].stream
+        if not (isinstance(stream, SetStream) and stream.members == seqs):
+            self._close_streams()
+            if any(s not in self.running for s in seqs):  # (a stream's close failed them)
+                return None
+            open_stream = getattr(self.net, "sampled_batch_tokens", None)
+            if open_stream is None:
+                return None
+            try:  # (it draws with copies of the generators, as a lone stream does)
+                tokens = open_stream([(s.pending, s.slot.cache) for s in seqs],
+                                     [s.params for s in seqs], [s.rng for s in seqs])
+            except Exception as exc:  # noqa: BLE001 - as a failed forward pass: end these
+                return self._fail_all(seqs, exc)
+            if tokens is None:
+                return None
+            stream = SetStream(tokens, seqs)
             for seq in seqs:
-                self._fail(seq, f"{type(exc).__name__}: {exc}")
-            return 0
-        if picked is None:
-            return None
+                seq.stream = stream
+        try:
+            picked = next(stream.tokens)
+        except Exception as exc:  # noqa: BLE001 - as a failed forward pass: end these
+            return self._fail_all(seqs, exc)
         self.counters.steps += 1
         for seq, (token, logit) in zip(seqs, picked, strict=True):
             seq.slot.ids.append(seq.pending)
             seq.pending = None
+            if not seq.params.greedy:
+                seq.rng.random()  # the uniform the device drew for this token (one a token)
             if math.isfinite(logit):
                 self._accept(seq, token)
             else:
@@ -378,6 +412,13 @@ class Scheduler:
         self._count_sampled(len(seqs))
         return len(seqs)
 
+    def _fail_all(self, seqs: list[SequenceState], exc: Exception) -> int:
+        """End every one of ``seqs`` with ``exc`` (a failed step of them all): 0 tokens run."""
+        self.counters.errors += 1
+        for seq in seqs:
+            self._fail(seq, f"{type(exc).__name__}: {exc}")
+        return 0
+
     def _close_streams(self) -> None:
         for seq in [s for s in self.running if s.stream is not None]:
             error = self._close_stream(seq)
@@ -385,21 +426,30 @@ class Scheduler:
                 self.counters.errors += 1
                 self._fail(seq, error)
 
-    @staticmethod
-    def _close_stream(seq: SequenceState) -> str | None:
-        """Close ``seq``'s device stream, which waits for the step it ran ahead and takes it
-        back out of the cache; the error where that failed (the cache is then emptied: what
-        its last step left is unknown)."""
+    def _close_stream(self, seq: SequenceState) -> str | None:
+        """Close ``seq``'s device stream (a set's: for all its members), which waits for
+        the step it ran ahead and takes it back out of the cache (each member's); the error
+        where that failed (the cache is then emptied: what its last step left is unknown;
+        the set's other members end with the error too)."""
         stream, seq.stream = seq.stream, None
         if stream is None:
             return None
+        members = stream.members if isinstance(stream, SetStream) else [seq]
+        for member in members:
+            member.stream = None
         try:
-            stream.close()
+            (stream.tokens if isinstance(stream, SetStream) else stream).close()
         except Exception as exc:  # noqa: BLE001 - the caller ends the sequence with it
-            if seq.slot is not None:
-                seq.slot.cache.reset()
-                seq.slot.ids.clear()
-            return f"{type(exc).__name__}: {exc}"
+            for member in members:
+                if member.slot is not None:
+                    member.slot.cache.reset()
+                    member.slot.ids.clear()
+            error = f"{type(exc).__name__}: {exc}"
+            for member in members:
+                if member is not seq and member in self.running:
+                    self.counters.errors += 1
+                    self._fail(member, error)
+            return error
         return None
 
     def _drop_cancelled(self) -> None:

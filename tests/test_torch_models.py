@@ -958,6 +958,17 @@ def test_decode_tokens_past_a_batch_graph_and_beside_a_prompt(tmp_path, monkeypa
     assert singles == caches[:5] + [caches[4], caches[5]]  # prompts; the 5th, the joiner
 
 
+def test_a_batch_steps_draws_follow_their_sequences_into_other_rows():
+    """A stream's step ahead takes the tokens the step before drew in its own rows' order
+    (``_QueuedBatch.drawn_in``): the same order as is, another (a member's graph made again
+    between the two steps) by sequence."""
+    from edgellm.backends.torch import graphs as graphs_module
+
+    queued = graphs_module._QueuedBatch(lambda: [], [2, 0, 1], torch.tensor([7, 8, 9]))
+    assert queued.drawn_in([2, 0, 1]) is queued.drawn
+    assert queued.drawn_in([0, 1, 2]).tolist() == [8, 9, 7]
+
+
 def test_device_draw_equals_the_host_draw():
     """graphs._sample (top-k of the candidates, top-p, min-p, temperature, the draw by a
     uniform) picks the token the host's chain picks for the same uniform, on logits with
@@ -1147,28 +1158,43 @@ def test_engine_streams_a_lone_sequence_from_the_device(tmp_path, monkeypatch):
 
 
 def test_engine_draws_concurrent_sequences_tokens_on_the_device(tmp_path, monkeypatch):
-    """Several requests decoding at once, and nothing else in the step, take their tokens
-    from one batch step that draws each on the device (``Model.sampled_batch``): greedy
+    """Several requests decoding at once, and nothing else to do, take their tokens from
+    one stream of the set (``Model.sampled_batch_tokens``: a batch step a token, each drawn
+    on the device by its own chain, the next step queued before these are read): greedy
     and seeded sampled requests get the tokens each gets alone on the host path (graphs
-    off), no decode step bringing logits to the host. A penalised request among them sends
-    their steps to the host's samplers (each still its own tokens). A sequence whose
-    logits go NaN in such a step ends in an error that says so; the others go on."""
+    off), no decode step bringing logits to the host. A request joining the set and a
+    cancel close the stream, which takes the step run ahead back out of every member's
+    cache (a slot's ids stay its cache's contents, bar that step), and every request's
+    tokens are still its own. A penalised request among them sends their steps to the
+    host's samplers. A sequence whose logits go NaN ends in an error that says so; the
+    others go on."""
     from edgellm.engine import Engine, Request
     from edgellm.sampling import SamplingParams
 
     model = _tiny_model(tmp_path)
     graphs = model.backend.graphs
-    drawn, nan_at = [], []  # each sampled_batch's result; the draw whose 2nd row turns NaN
-    real_draw = model.net.sampled_batch
+    opened, nan_at = [], []  # each stream opened (or None); the step whose 2nd row is NaN
+    real_open = model.net.sampled_batch_tokens
 
-    def spy_draw(*args, **kwargs):
-        picked = real_draw(*args, **kwargs)
-        if picked is not None and len(drawn) in nan_at:
-            picked[1] = (picked[1][0], float("nan"))
-        drawn.append(picked)
-        return picked
+    def spy_open(*args, **kwargs):
+        stream = real_open(*args, **kwargs)
+        opened.append(stream)
+        if stream is None or not nan_at:
+            return stream
 
-    monkeypatch.setattr(model.net, "sampled_batch", spy_draw)
+        def faulty():
+            try:
+                for step, rows in enumerate(stream):
+                    if nan_at and step == nan_at[0]:  # (once: not in the stream after)
+                        rows[1] = (rows[1][0], float("nan"))
+                        nan_at.clear()
+                    yield rows
+            finally:
+                stream.close()  # (closing this closes the stream: it trims its step ahead)
+
+        return faulty()
+
+    monkeypatch.setattr(model.net, "sampled_batch_tokens", spy_open)
     to_host = []  # logits brought to the host (by the step's bucket size)
     real_reader = graphs._logits_reader
     monkeypatch.setattr(graphs, "_logits_reader", lambda b, want: to_host.extend(
@@ -1181,15 +1207,26 @@ def test_engine_draws_concurrent_sequences_tokens_on_the_device(tmp_path, monkey
                                ignore_eos=True)
     prompts = [[1, 40, 41, 42, 43], [1, 50, 60, 70], [1, 99, 98]]
 
-    def serve(params, use_graphs: bool, first: int = 0):
-        """Each request's (tokens, finish reason, error): params[i] on prompts[first + i]."""
+    def serve(params, use_graphs: bool, first: int = 0, join_at=None, cancel_at=None):
+        """Each request's (tokens, finish reason, error): params[i] on prompts[first + i];
+        ``join_at``: the last is submitted once the first has that many tokens;
+        ``cancel_at``: the first is cancelled then."""
         model.backend.graphs = graphs if use_graphs else None
         engine = Engine(model, ctx=64, max_seqs=3, start=False, prefault=False)
+        requests = [Request(prompt, p) for prompt, p in zip(prompts[first:], params,
+                                                            strict=False)]
         try:
-            handles = [engine.submit(Request(prompt, p))
-                       for prompt, p in zip(prompts[first:], params, strict=False)]
-            while not all(h.done for h in handles):
+            handles = [engine.submit(r) for r in requests[:-1 if join_at else None]]
+            while not all(h.done for h in handles) or len(handles) < len(requests):
                 engine.step()
+                made = len(handles[0]._seq.generated)
+                if len(handles) < len(requests) and (made >= join_at or handles[0].done):
+                    handles.append(engine.submit(requests[-1]))
+                if cancel_at is not None and made >= cancel_at:
+                    handles[0].cancel()
+                for slot in engine._scheduler.slots:  # (a stream's members: one step ahead)
+                    ahead = slot.seq is not None and slot.seq.stream is not None
+                    assert slot.cache.offset == len(slot.ids) + ahead
             return [(c.tokens, c.finish_reason, c.error) for c in (h.result(0) for h in handles)]
         finally:
             engine.close()
@@ -1197,21 +1234,24 @@ def test_engine_draws_concurrent_sequences_tokens_on_the_device(tmp_path, monkey
 
     chains = [greedy, sampled, warm]
     alone = [serve([p], False, first=i)[0] for i, p in enumerate(chains)]
-    drawn.clear()
-    together = serve(chains, True)
-    assert together == alone
-    assert sum(d is not None for d in drawn) >= 7  # (the 3 decode together, then 2)
+    opened.clear()
+    assert serve(chains, True) == alone
+    assert len(opened) >= 2 and all(s is not None for s in opened)  # (the 3, then 2)
     assert to_host == [8, 8, 8]  # each prompt's (its bucket of 8), for its first token: no
     # decode step's (a lone one's come from its device stream)
-    drawn.clear()
+    opened.clear()
+    assert serve(chains, True, join_at=3) == alone  # (2 stream, the 3rd joins: 3 stream)
+    assert len(opened) >= 3
+    cancelled = serve(chains, True, cancel_at=4)
+    assert cancelled[0][1] == "cancelled" and cancelled[1:] == alone[1:]
+    assert cancelled[0][0] == alone[0][0][:len(cancelled[0][0])]
+    opened.clear()
     mixed = serve([greedy, penalised], True)
     assert mixed == [alone[0], serve([penalised], False, first=1)[0]]
-    assert drawn and all(d is None for d in drawn)  # (the host's samplers)
-    drawn.clear()
+    assert opened and all(s is None for s in opened)  # (the host's samplers)
     nan_at.append(2)
     faulted = serve(chains, True)
-    assert faulted[0] == together[0] and faulted[2] == together[2]
+    assert faulted[0] == alone[0] and faulted[2] == alone[2]
     tokens, reason, error = faulted[1]
     assert reason == "error" and "NaN or infinite" in error
-    assert tokens == together[1][0][:len(tokens)]
-
+    assert tokens == alone[1][0][:len(tokens)]

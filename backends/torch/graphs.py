@@ -56,13 +56,14 @@ alone), and each sequence attends over its own cache's storage, which the set's 
 graphs hold (so a batch graph adds no KV memory; it is dropped with any of them). A set is
 captured at its first step; an engine's slots keep their caches, so a set of users decoding
 together replays the same graph until one of them is done. Its logits come to the host
-(N, vocab), or (``sample_batch``) each sequence's token is drawn after it on the device by
-its own chain (``_sample`` over the rows, each with its own knobs), and only the tokens come
-back.
+(N, vocab), or (``batch_stream``) each sequence's token is drawn after it on the device by
+its own chain (``_sample`` over the rows, each with its own knobs), only the tokens come
+back, and the next step is queued before they are read, as a lone cache's ``greedy``.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import math
@@ -153,6 +154,28 @@ class _StepLayer:
             keys.index_copy_(0, self.slots, k.to(keys.dtype))
             values.index_copy_(0, self.slots, v.to(values.dtype))
         return old_k, old_v, self.mask
+
+
+@dataclass
+class _QueuedBatch:
+    """A batch graph's step, queued (``StepGraphs.queue_batch``): call it to wait for its
+    rows, each sequence's in the caller's order."""
+
+    wait: Callable[[], list]
+    order: list[int]  # the caller's sequence of each row of the step
+    drawn: torch.Tensor | None  # (N,) int64 on the device: the tokens drawn, by row
+
+    def __call__(self) -> list:
+        return self.wait()
+
+    def drawn_in(self, order: list[int]) -> torch.Tensor:
+        """The tokens drawn, in the rows of a step whose rows are ``order`` (another batch
+        graph's where a member's graph was made again between: its rows' order differs)."""
+        if order == self.order:
+            return self.drawn
+        row_of = {j: at for at, j in enumerate(self.order)}
+        rows = torch.tensor([row_of[j] for j in order], device=self.drawn.device)
+        return self.drawn.index_select(0, rows)
 
 
 class _BatchLayer:
@@ -385,34 +408,64 @@ class StepGraphs:
                               for at, j in enumerate(group)})
         return waits
 
-    @_locked
-    def sample_batch(self, model, tokens: list[np.ndarray], caches: list[KVCache],
+    def batch_stream(self, model, tokens: list[np.ndarray], caches: list[KVCache],
                      params: list, rngs: list[np.random.Generator]
-                     ) -> Callable[[], list[tuple[int, float]]] | None:
-        """``queue_batch`` with each sequence's next token drawn on the device by its
-        params' chain (``_sample``; the argmax where ``params.argmax_only``), one uniform of
-        its generator a token as the host's sampler draws it: a function that waits and
-        returns each sequence's (token, the logits' maximum: NaN or inf marks a fault).
-        None, with nothing run or drawn, where a chain needs the host (``samplable``) or
-        the batch cannot run as one graph (``queue_batch``)."""
-        vocab = model.args.vocab_size
-        if not all(p.argmax_only or samplable(p, vocab) for p in params):
+                     ) -> Iterator[list[tuple[int, float]]] | None:
+        """Decode steps of several caches as one batch graph (``queue_batch``), each
+        sequence's next token drawn on the device by its params' chain (``_sample``; the
+        argmax where ``params.argmax_only``) with one uniform of its generator a token as
+        the host's sampler draws it, for ever: each step queued before the tokens of the
+        one before are read back (its tokens taken from that step's draws on the device),
+        as ``greedy`` runs a lone cache. Yields each step's (token, the logits' maximum:
+        NaN or inf marks a fault) a sequence, no logits to the host. Every
+        cache holds one token more than was yielded until the generator is closed, which
+        waits for that step and trims it from each (where one cannot trim, or has no room
+        for it, the step is not run ahead). Copies of the generators in ``rngs`` draw each
+        step's uniforms when it is queued, the step ahead's included: the caller advances
+        its own one a token taken. None, with nothing run or drawn, where a chain needs
+        the host (``samplable``) or the caches cannot step as one batch graph."""
+        draws = _draws(params, rngs, model.args.vocab_size)
+        n = len(caches)
+        first = (self.queue_batch(model, tokens, caches, [True] * n, draws)
+                 if draws is not None else None)
+        if first is None:
             return None
-        draws = [None if p.argmax_only else _Draw(p, rng)
-                 for p, rng in zip(params, rngs, strict=True)]
-        return self.queue_batch(model, tokens, caches, [True] * len(caches), draws)
+        return self._batch_steps(model, caches, draws, first)
+
+    def _batch_steps(self, model, caches: list[KVCache], draws: list, current: Callable):
+        ahead = None
+        want = [True] * len(caches)
+        try:
+            while True:
+                if all(c.fits(2) and c.max_trim() >= 1 for c in caches):
+                    ahead = self.queue_batch(model, None, caches, want, draws, after=current)
+                rows = current()
+                yield rows
+                if ahead is None:
+                    ahead = self.queue_batch(model, [np.array([t]) for t, _ in rows], caches,
+                                             want, draws)
+                    if ahead is None:  # (the set ran batch graphs a step ago: no room left)
+                        raise RuntimeError("a batch stream's caches can take no more steps")
+                current, ahead = ahead, None
+        finally:
+            if ahead is not None:  # queued but never yielded
+                ahead()
+                for cache in caches:
+                    cache.trim(1)
 
     @_locked
-    def queue_batch(self, model, tokens: list[np.ndarray], caches: list[KVCache],
-                    want: list[bool], draws: list[_Draw | None] | None = None
-                    ) -> Callable[[], list] | None:
+    def queue_batch(self, model, tokens: list[np.ndarray] | None, caches: list[KVCache],
+                    want: list[bool], draws: list[_Draw | None] | None = None,
+                    after: _QueuedBatch | None = None) -> _QueuedBatch | None:
         """A decode step of several caches (a token each: ``tokens`` (1,) a cache) as the
         one graph of their set, queued and not waited for: a function that waits and
         returns each sequence's logits (vocab,), None where ``want`` says False; or, with
         ``draws`` (a sequence's ``_Draw``, or None for the argmax), each sequence's next
         token drawn on the device (``_sample``, after the step: no logits to the host) and
         the logits' maximum, (token, logit) (NaN or inf: a fault), a uniform drawn from
-        each generator when the step is queued. Every
+        each generator when the step is queued; ``tokens`` None: each sequence's token is
+        the one drawn ``after`` (the set's step before, queued with draws), on the device.
+        Every
         token goes through the mat-vecs together (each weight read once a step, not once a
         sequence); each attends over its own cache (``_BatchLayer``). Returns None, with
         nothing booked or run, where the batch cannot: off (BATCH_GRAPHS), one sequence or
@@ -421,6 +474,8 @@ class StepGraphs:
         that does not fit (ContextOverflow is the caller's) or a write not in place; each
         sequence then replays its own graph."""
         n = len(caches)
+        if tokens is None:  # (the step before's, copied on the device below)
+            tokens = [np.zeros(1, np.int64)] * n
         if not BATCH_GRAPHS or not 1 < n <= MAX_BATCH_SEQUENCES or any(
                 len(t) != 1 for t in tokens) or not all(c.fits(1) for c in caches) or len(
                 {id(c) for c in caches}) < n:
@@ -435,10 +490,14 @@ class StepGraphs:
             return None
         order = sorted(range(n), key=lambda j: id(members[j]))  # one graph for a set
         b = self._batch_for(model, tuple(members[j] for j in order))
+        if draws is not None:  # (a stream's step ahead fills the other host set)
+            b.flip()
         self._advance_batch(b, [caches[j] for j in order],
                             [int(tokens[j][0]) for j in order], [positions[j] for j in order])
         b.dev_i64.copy_(b.host.i64, non_blocking=True)
         b.dev_masks.copy_(b.host.masks, non_blocking=True)
+        if after is not None:  # the tokens the step before drew, in this step's rows
+            b.dev_i64[:n].copy_(after.drawn_in(order))
         self._replay(model, b)
         if draws is not None:
             self._sample_after(b, [draws[j] for j in order])
@@ -453,7 +512,7 @@ class StepGraphs:
             return [by_sequence[j] if draws is not None or want[j] else None
                     for j in range(n)]
 
-        return wait
+        return _QueuedBatch(wait, order, b.sampled[1] if draws is not None else None)
 
     def graph_for_step(self, model, n: int, cache: KVCache,
                        evict: bool = True) -> _Graph | None:
@@ -1055,6 +1114,15 @@ def samplable(params, vocab: int) -> bool:
     greedy (the argmax is ``_greedy``'s)."""
     return (not params.greedy and not params.penalizes and not params.logit_bias
             and 0 < params.top_k <= min(SAMPLE_CANDIDATES, vocab - 1))
+
+
+def _draws(params: list, rngs: list[np.random.Generator], vocab: int) -> list | None:
+    """A sequence's ``_Draw`` with a copy of its generator (None: its argmax) for each of
+    ``params``, or None where a chain needs the host (``samplable``)."""
+    if not all(p.argmax_only or samplable(p, vocab) for p in params):
+        return None
+    return [None if p.argmax_only else _Draw(p, copy.deepcopy(rng))
+            for p, rng in zip(params, rngs, strict=True)]
 
 
 class _Draw:

@@ -269,25 +269,27 @@ class Model:
                  else graphs.sample(self, token, cache, params, rng, evict))
         return self._checked(steps) if steps is not None else None
 
-    def sampled_batch(self, batch: Sequence[tuple[np.ndarray, KVCache]],
-                      params: Sequence[Any], rngs: Sequence[np.random.Generator]
-                      ) -> list[tuple[int, float]] | None:
-        """One decode step of several sequences (``batch``: a token (1,) and its own cache
-        each) with each one's next token drawn on the device by its ``params``' chain (or
-        its argmax: ``params.argmax_only``), one uniform of its ``rng`` a token as the
-        host's sampler draws it: each sequence's (token, the logits' maximum: NaN or inf
-        marks a fault), the tokens ``forward_batch`` and each sampler over its logits would
-        give. None, with nothing run or drawn, where the backend cannot (no graphs; a chain
-        that needs the host; caches that cannot step as one batch graph), and the caller
-        runs ``forward_batch`` and samples on the host."""
+    def sampled_batch_tokens(self, batch: Sequence[tuple[int, KVCache]],
+                             params: Sequence[Any], rngs: Sequence[np.random.Generator]
+                             ) -> Iterator[list[tuple[int, float]]] | None:
+        """Decoding several sequences together after their tokens (``batch``: the last
+        token, not yet in it, and its own cache each), each one's next token drawn on the
+        device by its ``params``' chain (or its argmax: ``params.argmax_only``), one uniform
+        of its ``rng`` a token as the host's sampler draws it: yields each step's (token,
+        the logits' maximum: NaN or inf marks a fault) a sequence, the tokens
+        ``forward_batch`` and each sampler over its logits would give, for ever. Each step
+        is queued before the one before is read back, as ``sampled_tokens``' (so each
+        cache holds one token more than was yielded until it is closed; copies of
+        ``rngs`` draw, one uniform ahead, and the caller advances its own one a token
+        taken). None, with nothing run or drawn, where the
+        backend cannot (no graphs; a chain that needs the host; caches that cannot step as
+        one batch graph), and the caller runs ``forward_batch`` and samples on the host."""
         graphs = getattr(self.backend, "graphs", None)
         if graphs is None:
             return None
-        tokens = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in batch]
-        with graphs.exclusive():  # (the step's shared buffers until its tokens are read)
-            step = graphs.sample_batch(self, tokens, [c for _, c in batch], list(params),
-                                       list(rngs))
-            return None if step is None else step()
+        tokens = [np.array([token], dtype=np.int64) for token, _ in batch]
+        return graphs.batch_stream(self, tokens, [c for _, c in batch], list(params),
+                                   list(rngs))
 
     @staticmethod
     def _checked(steps: Iterator[tuple[int, float]]) -> Iterator[int]:
