@@ -164,24 +164,27 @@ def _resources(cubin: bytes) -> tuple[int, int]:
 
 
 def attention_launch(heads: int, kv_heads: int, head_dim: int, storage: int,
-                     pdl: int = 0) -> tuple:
+                     pdl: int = 0, sequences: int = 1) -> tuple:
     """(kernel, args, meta) of a decode step's attention as a graph launches it (one token
     over ``storage`` slots, its output's 8-bit blocks and the step's keys and values
-    written in the launch, the mask's span read from the device), through
-    ``kernels.attention`` with the launch recorded, not run: the real arguments at a real
-    model's shape."""
+    written in the launch, the mask's span read from the device; ``sequences`` > 1: a
+    batch graph's, a token each over its own cache), through ``kernels.attention`` with
+    the launch recorded, not run: the real arguments at a real model's shape."""
     import torch
 
     from edgellm.backends.torch import kernels
 
-    q = torch.zeros((1, heads, head_dim))
+    n = sequences
+    q = torch.zeros((n, heads, head_dim))
     k = torch.zeros((storage, kv_heads, head_dim), dtype=torch.float16)
-    mask = torch.ones((1, storage), dtype=torch.bool)
-    new = torch.zeros((1, kv_heads, head_dim))
-    write = (torch.zeros(1, dtype=torch.int64), new, new)
-    span = torch.full((1,), storage, dtype=torch.int64)
+    mask = torch.ones((n, storage), dtype=torch.bool)
+    new = torch.zeros((n, kv_heads, head_dim))
+    write = (torch.zeros(n, dtype=torch.int64), new, new)
+    span = torch.full((n,), storage, dtype=torch.int64)
+    apart = (torch.zeros(n, dtype=torch.int64),) * 2 if n > 1 else None
     return _recorded(lambda: kernels.attention(q, k, k, mask, head_dim ** -0.5,
-                                               quantize=True, write=write, span=span), pdl)[0]
+                                               quantize=True, write=write, span=span,
+                                               apart=apart), pdl)[0]
 
 
 def matvec_launch(rows: int, cols: int, qtype, tokens: int = 1, pdl: int = 0) -> tuple:

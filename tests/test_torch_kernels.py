@@ -414,6 +414,59 @@ def test_attention_writes_the_steps_keys_and_values(heads, kv_heads, hd, n, T, d
     assert all(not c.any() for c in kernels._split_counters.values())
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd,n,T,dtype", [
+    (12, 2, 128, 3, 45, "float16"),  # the 1.5B's heads
+    (4, 1, 256, 2, 30, "float16"),  # Gemma's
+    (4, 2, 16, 8, 70, "float32")])  # a batch graph's most sequences
+@pytest.mark.parametrize("quantize", [False, True], ids=["plain", "blocks"])
+def test_attention_apart_is_each_row_alone_over_its_own_cache(heads, kv_heads, hd, n, T,
+                                                              dtype, quantize):
+    """attention(apart=...): each token another sequence's, over its own cache (separate
+    tensors, at offsets either side of the first's), with its own count of slots used and
+    its own new row written: the output, the blocks and every cache bit-identical to each
+    row's attention alone (a batch graph's step: one launch for every sequence)."""
+    rng = np.random.default_rng(T + n)
+    q = rng.standard_normal((n, heads, hd)).astype(np.float32)
+    kn, vn = (rng.standard_normal((n, kv_heads, hd)).astype(np.float32) for _ in range(2))
+    caches = [[rng.standard_normal((T + 1, kv_heads, hd)).astype(dtype) for _ in range(2)]
+              for _ in range(n)]
+    used = rng.integers(1, T, size=n)
+    slots = used - 1  # (each token's own new slot, the last it sees)
+    masks = np.arange(T)[None, :] < used[:, None]
+    masks[0, 0] = False  # (a hole: the mask, not the count, decides)
+    alone, stores = [], [[t(c.copy()) for c in pair] for pair in caches]
+    for j, (keys, values) in enumerate(stores):
+        alone.append(kernels.attention(
+            t(q[j:j + 1]), keys[:T], values[:T], t(masks[j:j + 1]), hd ** -0.5,
+            quantize=quantize, write=(t(slots[j:j + 1]), t(kn[j:j + 1]), t(vn[j:j + 1])),
+            span=t(used[j:j + 1])))
+    together = [[t(c).clone() for c in pair] for pair in caches]  # (torch's allocations:
+    # 64-byte aligned, as ``kernels.offsets`` requires; numpy's may not be)
+    keys, values = ([pair[i] for pair in together] for i in (0, 1))
+    apart = (kernels.offsets(keys, keys[0]), kernels.offsets(values, values[0]))
+    assert apart[0].tolist()[0] == 0 and len(set(apart[0].tolist())) == n
+    got = kernels.attention(t(q), keys[0][:T], values[0][:T], t(masks), hd ** -0.5,
+                            quantize=quantize, write=(t(slots), t(kn), t(vn)),
+                            span=t(used), apart=apart)
+    rows = [_tensors(a) for a in alone]
+    for got_part, *parts in zip(_tensors(got), *rows, strict=True):
+        assert torch.equal(got_part, torch.cat(parts))
+    for mine, theirs in zip(together, stores, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    assert all(not c.any() for c in kernels._split_counters.values())
+
+
+def test_attention_apart_offsets_are_whole_alignments():
+    """``kernels.offsets``: element distances the kernel may take as multiples of
+    OFFSET_ALIGN (64 bytes); a cache off that alignment, or of another dtype, is refused
+    (a batch graph's layer then attends a sequence at a time)."""
+    base = torch.zeros(64)
+    assert kernels.offsets([base, base[16:], base[48:]], base).tolist() == [0, 16, 48]
+    for other in (base[1:], base[8:], torch.zeros(64, dtype=torch.float16)):
+        with pytest.raises(ValueError):
+            kernels.offsets([base, other], base)
+
+
 @pytest.mark.parametrize("heads,kv_heads,hd,n,T,spare", [
     (12, 2, 128, 1, 45, 39),  # the 1.5B's heads: 2 splits over the slots used, 3 over storage
     (4, 1, 256, 1, 9, 200),  # Gemma's: 1 split and 7

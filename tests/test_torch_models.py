@@ -812,7 +812,8 @@ def test_batches_replay_each_sequences_graphs(tmp_path, monkeypatch):
 def test_decode_batches_replay_one_graph_of_their_set(tmp_path, monkeypatch, triton):
     """Decode steps of several caches (the engine's concurrent users, a token each) replay
     one graph of their set (``StepGraphs.queue_batch``: the tokens through the mat-vecs
-    together, each attending over its own cache), in any order of the batch: the logits
+    together, each attending over its own cache: on the GPU path's kernels in one launch a
+    layer), in any order of the batch: the logits
     and books of the eager batch, with ring layers that wrap beside a global one (two
     groups of layers). No sequence's own graph replays a decode step. Not ``triton`` (the
     interpreter is slow there: two sequences, two steps): a subset of the set gets a
@@ -832,10 +833,13 @@ def test_decode_batches_replay_one_graph_of_their_set(tmp_path, monkeypatch, tri
     net.layer_window = lambda i: 0 if i == 1 else window  # ring, global(, ring)
     config = CacheConfig(max_tokens=64, reserve=4)  # rings of 9 slots
     graphs = backend.graphs
-    singles = []
+    singles, apart = [], []
     real = graphs.queue_step
     monkeypatch.setattr(graphs, "queue_step",
                         lambda *a, **k: singles.append(a[2]) or real(*a, **k))
+    real_attention = backend.attention
+    monkeypatch.setattr(backend, "attention", lambda *a, **k: apart.append(
+        k.get("apart") is not None) or real_attention(*a, **k))
     prompts = [[1, 5, 9], [3, 8, 2, 7, 11, 6], [44]][:2 if triton else 3]
     # the sequences of each step, in the batch's order: the set in turns of order, then
     # two of them (a batch graph of their own, which drops the set's), then the set again
@@ -877,6 +881,8 @@ def test_decode_batches_replay_one_graph_of_their_set(tmp_path, monkeypatch, tri
     same(got, eager)
     same_books(caches, eager_caches)
     assert singles == caches  # (their prompts only)
+    # the GPU path's kernels: a layer's rows in one launch, each over its own cache
+    assert any(apart) == (backend.kernels is not None)
     batches = graphs._batches[id(net)]
     assert len(batches) == 1  # the last set's (the cap of 1 dropped the subset's)
     (last,) = batches.values()

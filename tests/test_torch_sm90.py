@@ -22,15 +22,18 @@ from tests import offline_sm90  # noqa: E402
 HEADS = {"qwen-1.5b": (12, 2, 128), "qwen-0.5b": (14, 2, 64), "gemma-270m": (4, 1, 256)}
 
 
+@pytest.mark.parametrize("sequences", [1, 4], ids=["one", "batch"])
 @pytest.mark.parametrize("storage", [656, 4096], ids=["bench", "chat"])
 @pytest.mark.parametrize("model", list(HEADS))
-def test_decode_attention_keeps_to_registers(model, storage):
+def test_decode_attention_keeps_to_registers(model, storage, sequences):
     """A decode step's attention as a graph launches it, over the bench's cache (656
-    slots) and a chat's default (4,096): nothing spilt to local memory. Its combine once
-    loaded every split's values as one (splits, head dim) tile: 255 registers and 64 (1.5B)
-    and 88 (Gemma) bytes spilt per thread at 4,096 slots."""
-    compiled = offline_sm90.compile_launch(*offline_sm90.attention_launch(*HEADS[model],
-                                                                          storage))
+    slots) and a chat's default (4,096), one sequence's or a batch graph's (each token
+    over its own cache: APART): nothing spilt to local memory. Its combine once loaded
+    every split's values as one (splits, head dim) tile: 255 registers and 64 (1.5B) and
+    88 (Gemma) bytes spilt per thread at 4,096 slots."""
+    compiled = offline_sm90.compile_launch(*offline_sm90.attention_launch(
+        *HEADS[model], storage, sequences=sequences))
+    print(f"{model} {storage} slots, {sequences} sequences: {compiled.registers} registers")
     assert compiled.spilt_bytes == 0, compiled.registers
 
 

@@ -537,7 +537,7 @@ class TorchBackend(Backend):
         return total, normed
 
     def attention(self, q, k, v, mask, scale, softcap=0.0, write=None,
-                  span=None) -> torch.Tensor:
+                  span=None, apart=None) -> torch.Tensor:
         """q (n, H, hd) f32; k/v (T, KVH, hd) (the cache's dtype); mask (n, T) bool.
         Scores, softmax and sums in f32 (f16 queries would cost 1e-3 relative: more than
         the reference checks allow). ``write`` (GPU path: a graph step's in-place KV
@@ -546,12 +546,18 @@ class TorchBackend(Backend):
         pads' spare row), in the attention's own launch where the split kernels run.
         ``span`` (the same graph steps): a (1,) int64 device tensor, the leading slots
         outside which the mask hides all: the split kernels cover those only
-        (``kernels.attention``); every other path reads the mask alone."""
+        (``kernels.attention``); every other path reads the mask alone. ``apart`` (a batch
+        graph's step, where ``attends_apart``): each row is another sequence's, over its own
+        cache at those offsets from k's and v's memory, with its own span and write
+        (``kernels.attention``'s): one launch for them all."""
         q, k, v = _plain(self.asarray(q)), _plain(self.asarray(k)), _plain(self.asarray(v))
+        if apart is not None and not self.attends_apart(q):
+            raise ValueError("attention of rows over their own caches needs the split "
+                             "kernels with the KV write (attends_apart)")
         if write is not None:
             slots, kn, vn = write[0], write[1].contiguous(), write[2].contiguous()
             write = (slots, kn, vn)
-            if not (self._fused() and self._split_attention(q)) or "kv_write" in self.unfused:
+            if not self.attends_apart(q):
                 self.kernels.store_kv(k, v, slots, kn, vn)
                 write = None
         if self.ggml_numerics:
@@ -567,10 +573,10 @@ class TorchBackend(Backend):
                     and self._attention_blocks and "attention_blocks" not in self.unfused):
                 # the output projection's 8-bit blocks written in the same launch
                 out, blocks = self.kernels.attention(*args, quantize=True, write=write,
-                                                     span=span)
+                                                     span=span, apart=apart)
                 self._prequantized = (out, blocks)
                 return out
-            return self.kernels.attention(*args, write=write, span=span)
+            return self.kernels.attention(*args, write=write, span=span, apart=apart)
         # (CPU SDPA with a mask: ~40 ms a decode step)
         default = (self._explicit_attention if softcap or not self.cuda
                    else self._sdpa_attention)
@@ -600,6 +606,12 @@ class TorchBackend(Backend):
             yield
         finally:
             self._attention_blocks = True
+
+    def attends_apart(self, q) -> bool:
+        """Do q's rows attend in one launch of the split kernels that also stores their
+        keys and values (``attention``'s write in its launch; rows over their own caches:
+        ``apart``)?"""
+        return self._fused() and self._split_attention(q) and "kv_write" not in self.unfused
 
     def _split_attention(self, q) -> bool:
         """Do the split (flash-decoding) kernels run q's attention? (They alone take a KV

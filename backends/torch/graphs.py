@@ -182,15 +182,25 @@ class _BatchLayer:
     """Model.attention's view of one layer inside a batch graph's step: row j is sequence
     j's token, attended against its own cache (``parts[j]``, a ``_StepLayer``)."""
 
-    def __init__(self, parts: list[_StepLayer]):
+    def __init__(self, parts: list[_StepLayer], slots: torch.Tensor, masks: torch.Tensor,
+                 spans: torch.Tensor, apart: tuple | None):
         self.parts = parts
+        self.slots, self.masks, self.spans = slots, masks, spans  # (N,), (N, T), (N,): the
+        # parts' rows of the group's buffers
+        self.apart = apart  # (k offsets, v offsets) (N,) from parts[0]'s storage (GPU path)
 
     def takes_one(self) -> bool:
         return False
 
     def attend(self, backend, q, k, v, scale: float, softcap: float = 0.0):
-        """q (N, H, hd), k, v (N, KVH, hd): each row stored and attended in its own cache
-        (one launch each on the GPU path), the outputs joined (N, H, hd)."""
+        """q (N, H, hd), k, v (N, KVH, hd): each row stored and attended in its own cache:
+        on the GPU path in one launch (``TorchBackend.attention``'s ``apart``), else a
+        part at a time, the outputs joined (N, H, hd)."""
+        lead = self.parts[0]
+        if self.apart is not None and backend.attends_apart(q):
+            return backend.attention(q, lead.keys[:lead.stored], lead.values[:lead.stored],
+                                     self.masks, scale, softcap, write=(self.slots, k, v),
+                                     span=self.spans, apart=self.apart)
         with backend.attention_rows_apart():
             rows = [part.attend(backend, q[j:j + 1], k[j:j + 1], v[j:j + 1], scale, softcap)
                     for j, part in enumerate(self.parts)]
@@ -863,7 +873,7 @@ class StepGraphs:
         """(ids (N,), positions (N,), no last row (every row's logits), per-layer
         ``_BatchLayer``s over each sequence's storage) on b's device buffers."""
         n, groups = b.size, b.members[0].groups
-        i64 = b.dev_i64
+        i64, kernels = b.dev_i64, self.backend.kernels
         layers = {}
         for gi, group in enumerate(groups):
             start, width, _ = b.mask_spans[gi]
@@ -874,9 +884,11 @@ class StepGraphs:
             rows = [(i64[slots + j:slots + j + 1], masks[j:j + 1], i64[spans + j:spans + j + 1])
                     for j in range(n)]
             for li in group.layers:
-                layers[li] = _BatchLayer([
-                    _StepLayer(*g.stores[li], *row, group.slots, True, self.backend.kernels)
-                    for g, row in zip(b.members, rows, strict=True)])
+                parts = [_StepLayer(*g.stores[li], *row, group.slots, True, kernels)
+                         for g, row in zip(b.members, rows, strict=True)]
+                apart = None if kernels is None else _offsets(kernels, b.members, li)
+                layers[li] = _BatchLayer(parts, i64[slots:slots + n], masks,
+                                         i64[spans:spans + n], apart)
         return i64[:n], i64[n:2 * n], None, [layers[i] for i in range(len(layers))]
 
     @staticmethod
@@ -1039,6 +1051,17 @@ def _with_spare_row(t: torch.Tensor) -> torch.Tensor:
     if full is None or full.shape[0] != t.shape[0] + 1 or full.data_ptr() != t.data_ptr():
         full = torch.zeros((t.shape[0] + 1, *t.shape[1:]), dtype=t.dtype, device=t.device)
     return full.as_subclass(type(t))
+
+
+def _offsets(kernels, members: tuple[_Graph, ...], layer: int) -> tuple | None:
+    """Each member's keys and values of ``layer`` as offsets from the first's (int64 (N,)
+    on the device each: ``kernels.attention``'s ``apart``), or None where the kernel cannot
+    take them (storage not 64-byte aligned: the layer then attends a member at a time)."""
+    try:
+        return tuple(kernels.offsets([g.stores[layer][i] for g in members],
+                                     members[0].stores[layer][i]) for i in (0, 1))
+    except ValueError:
+        return None
 
 
 def _book(cache: KVCache, group: _Group, positions: np.ndarray, mask: np.ndarray,

@@ -44,6 +44,9 @@ except ImportError:  # (then PDL is never on, and neither is called)
 
 #: tokens up to which a matmul runs the mat-vec kernel (above: dequantize + GEMM)
 MATVEC_MAX_TOKENS = 8
+#: what attention's ``apart`` offsets are a multiple of, in elements (64 bytes of f32,
+#: ``offsets``): so a sequence's cache loads as its own would, in 16-byte vectors
+OFFSET_ALIGN = tl.constexpr(16)
 #: 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 to the nearest even int (a constexpr: triton
 #: kernels may read no other globals)
 _MAGIC = tl.constexpr(12582912.0)
@@ -800,11 +803,13 @@ def _glu_act(g, GELU: tl.constexpr):
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
                        count_ptr, T, H, KVH, scale, softcap, n_rows, q32_ptr,
                        d32_ptr, q256_ptr, d256_ptr, KP, kn_ptr, vn_ptr, slots_ptr, span_ptr,
+                       koff_ptr, voff_ptr,
                        G: tl.constexpr, HD: tl.constexpr, BT: tl.constexpr,
                        SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
                        SOFTCAP: tl.constexpr, NS: tl.constexpr,
                        SB: tl.constexpr, QUANT: tl.constexpr, K256: tl.constexpr,
-                       WRITE: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr):
+                       WRITE: tl.constexpr, SPAN: tl.constexpr, APART: tl.constexpr,
+                       PDL: tl.constexpr):
     """Attention of one token's query head over SPLIT key slots: the running max, sum of
     exponentials and weighted sum of values (flash-decoding's partial results), in f32
     from the cache's f16 (or f32) keys and values. A program per (token, head, split):
@@ -823,11 +828,20 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
     splits of the smallest power of two of at least BT slots that makes at most
     MAX_SPLITS of them (``_split_slots``), so the same slots used split alike over any
     storage; the grid's programs past them return at once. SPLIT: that size where it is
-    the same for every count up to T (a constant, as compiled before the span), else 0."""
+    the same for every count up to T (a constant, as compiled before the span), else 0.
+    APART: each token is another sequence's, over its own cache: its keys and values at
+    koff_ptr[tok] and voff_ptr[tok] elements from k_ptr and v_ptr (int64: the distance
+    between two tensors' memory, either way), its own count at span_ptr[tok], and its write
+    (WRITE) its own row alone."""
     _await_inputs(PDL)
     tok = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
+    if APART:  # this token's own cache, count and new row (``offsets``: whole 64 bytes
+        # apart, so the loads keep the alignment, and vector width, of a cache's own)
+        k_ptr += tl.multiple_of(tl.load(koff_ptr + tok), OFFSET_ALIGN)
+        v_ptr += tl.multiple_of(tl.load(voff_ptr + tok), OFFSET_ALIGN)
+        span_ptr += tok
     used = tl.load(span_ptr).to(tl.int32) if SPAN else T
     split = SPLIT if SPLIT else _split_slots(used, BT, MAX_SPLITS)
     first = sp * split
@@ -852,7 +866,11 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
             k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)  # (BT, HD)
             if WRITE:
-                k = _new_rows(k, t, k_ptr, kn_ptr, slots_ptr, kvh, KVH, HD, WRITE)
+                if APART:
+                    k = _new_rows(k, t, k_ptr, kn_ptr + tok * KVH * HD, slots_ptr + tok,
+                                  kvh, KVH, HD, 1)
+                else:
+                    k = _new_rows(k, t, k_ptr, kn_ptr, slots_ptr, kvh, KVH, HD, WRITE)
             s = tl.sum(k * q[None, :], axis=1)  # (BT,)
             if SOFTCAP:
                 s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # tanh
@@ -865,7 +883,11 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
             v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
             if WRITE:
-                v = _new_rows(v, t, v_ptr, vn_ptr, slots_ptr, kvh, KVH, HD, WRITE)
+                if APART:
+                    v = _new_rows(v, t, v_ptr, vn_ptr + tok * KVH * HD, slots_ptr + tok,
+                                  kvh, KVH, HD, 1)
+                else:
+                    v = _new_rows(v, t, v_ptr, vn_ptr, slots_ptr, kvh, KVH, HD, WRITE)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
     row = tok * H + h
@@ -1511,7 +1533,7 @@ def split_slots(used: int) -> int:
 
 
 def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool = False,
-              write: tuple | None = None, span=None):
+              write: tuple | None = None, span=None, apart: tuple | None = None):
     """q (n, H, hd) f32 contiguous; k, v (T, KVH, hd) f16 or f32 contiguous; mask (n, T)
     bool -> (n, H, hd) f32. Split over the key slots (flash-decoding: enough programs for a
     GPU at one token), combined by each head's last split to finish, in one launch. hd must
@@ -1523,7 +1545,11 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
     device, the count of leading slots outside which the mask hides every one: the splits
     cover those only, and the bits equal attention over k[:span], v[:span] and the mask's
     first span columns (a graph's step over its whole storage then works, and rounds, as an
-    eager step over the slots used so far).
+    eager step over the slots used so far). ``apart`` = (k offsets, v offsets (n,) int64
+    on the device, in elements): each token is another sequence's, over its own cache at
+    those offsets from k's and v's memory (the same shape and dtype as k, v: ``offsets``),
+    with its own count (``span`` (n,)) and its own new row (``write``); the bits each row
+    gets alone.
 
     Compiled without multiply-add contraction: the combine's sums over the splits then
     give the same bits for any number of trailing splits the mask hides, so attention over
@@ -1553,10 +1579,11 @@ def attention(q, k, v, mask, scale: float, softcap: float = 0.0, quantize: bool 
         q, k, v, mask.view(torch.uint8), m, l_s, acc, out,
         _counters(dev, n * H + n * triton.cdiv(H * hd, 256)), T, H,
         kvh, scale, softcap or 1.0, n * H, *_q8_args(blocks, out), padded, kn, vn,
-        slots, span if span is not None else slots, G=H // kvh, HD=hd, BT=bt, SPLIT=fixed,
-        MAX_SPLITS=MAX_ATTENTION_SPLITS, SOFTCAP=bool(softcap), NS=ns, SB=COMBINE_SPLITS,
-        QUANT=quantize, K256=256 in blocks, WRITE=n if write is not None else 0,
-        SPAN=span is not None, num_warps=2 if hd <= 128 else 4, enable_fp_fusion=False)
+        slots, span if span is not None else slots, *(apart or (slots, slots)), G=H // kvh,
+        HD=hd, BT=bt, SPLIT=fixed, MAX_SPLITS=MAX_ATTENTION_SPLITS, SOFTCAP=bool(softcap),
+        NS=ns, SB=COMBINE_SPLITS, QUANT=quantize, K256=256 in blocks,
+        WRITE=n if write is not None else 0, SPAN=span is not None, APART=apart is not None,
+        num_warps=2 if hd <= 128 else 4, enable_fp_fusion=False)
     return (out, _as_matvec_blocks(blocks)) if quantize else out
 
 
@@ -1587,6 +1614,20 @@ def flash_prompt_attention(q, k, v, mask, scale: float, tile: tuple | None = Non
         q, k, v, mask.view(torch.uint8), out, n, T, H, kvh, scale, G=H // kvh, HD=hd, BM=bm,
         BN=bn, num_warps=warps)
     return out
+
+
+def offsets(tensors: list, base):
+    """Each tensor's memory's distance from base's, in elements (int64 (n,) on base's
+    device): ``attention``'s ``apart``. The tensors are of base's dtype and, as
+    allocations are, 64-byte aligned (the kernel takes the distances as whole multiples of
+    OFFSET_ALIGN elements, 64 bytes of f32)."""
+    import torch
+
+    size = base.element_size()
+    gaps = [t.data_ptr() - base.data_ptr() for t in tensors]
+    if any(t.dtype != base.dtype for t in tensors) or any(g % 64 for g in gaps):
+        raise ValueError("attention apart takes caches of one dtype, 64-byte aligned")
+    return torch.tensor([g // size for g in gaps], dtype=torch.int64, device=base.device)
 
 
 def store_kv(keys, values, slots, k, v) -> None:
