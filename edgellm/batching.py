@@ -296,10 +296,7 @@ class Scheduler:
         try:
             logits = self.net.forward_batch(batch, want)
         except Exception as exc:  # noqa: BLE001 - the server must keep serving the others
-            self.counters.errors += 1
-            for seq, _, _ in plan:
-                self._fail(seq, f"{type(exc).__name__}: {exc}")
-            return 0
+            return self._fail_all([seq for seq, _, _ in plan], exc)
         self.counters.steps += 1
         sampled = 0
         for (seq, tokens, _), row in zip(plan, logits, strict=True):
@@ -347,14 +344,9 @@ class Scheduler:
                     return None
             token = next(seq.stream)
         except Exception as exc:  # noqa: BLE001 - as a failed forward pass: end this one
-            self.counters.errors += 1
-            self._fail(seq, f"{type(exc).__name__}: {exc}")
-            return 0
+            return self._fail_all([seq], exc)
         self.counters.steps += 1
-        seq.slot.ids.append(seq.pending)
-        seq.pending = None
-        if not seq.params.greedy:
-            seq.rng.random()  # the uniform the device drew for this token (one a token)
+        self._fed_from_stream(seq)
         self._accept(seq, token)
         self._count_sampled(1)
         return 1
@@ -400,10 +392,7 @@ class Scheduler:
             return self._fail_all(seqs, exc)
         self.counters.steps += 1
         for seq, (token, logit) in zip(seqs, picked, strict=True):
-            seq.slot.ids.append(seq.pending)
-            seq.pending = None
-            if not seq.params.greedy:
-                seq.rng.random()  # the uniform the device drew for this token (one a token)
+            self._fed_from_stream(seq)
             if math.isfinite(logit):
                 self._accept(seq, token)
             else:
@@ -411,6 +400,16 @@ class Scheduler:
                 self._fail(seq, str(non_finite(len(seq.generated) + 1)))
         self._count_sampled(len(seqs))
         return len(seqs)
+
+    @staticmethod
+    def _fed_from_stream(seq: SequenceState) -> None:
+        """A device stream's step took ``seq``'s pending token into its cache and drew the
+        next with a copy of its generator: the books say so, and the host's generator skips
+        the uniform the device drew (one a token), so it stays in step with the copy."""
+        seq.slot.ids.append(seq.pending)
+        seq.pending = None
+        if not seq.params.greedy:
+            seq.rng.random()
 
     def _fail_all(self, seqs: list[SequenceState], exc: Exception) -> int:
         """End every one of ``seqs`` with ``exc`` (a failed step of them all): 0 tokens run."""

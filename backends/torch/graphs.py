@@ -49,8 +49,8 @@ generator a step.
 
 Several caches decoding together (an engine's concurrent users: ``Model.forward_batch``)
 replay one graph of their set (``queue_batch``; up to 8 a graph, ``queue_batches``, beside
-a prompt's chunk that replays its own cache's graph), not each its own: their tokens go through
-the mat-vecs as one batch of 2..8 rows, so each weight is read once a step for all of them
+a prompt's chunk that replays its own cache's graph), not each its own: their tokens go
+through the mat-vecs as one batch of 2..8 rows, so each weight is read once a step for all of them
 (the kernels' arithmetic is per token: each sequence's logits are those of its own step
 alone), and each sequence attends over its own cache's storage, which the set's caches'
 graphs hold (so a batch graph adds no KV memory; it is dropped with any of them). A set is
@@ -185,8 +185,10 @@ class _BatchLayer:
     def __init__(self, parts: list[_StepLayer], slots: torch.Tensor, masks: torch.Tensor,
                  spans: torch.Tensor, apart: tuple | None):
         self.parts = parts
-        self.slots, self.masks, self.spans = slots, masks, spans  # (N,), (N, T), (N,): the
-        # parts' rows of the group's buffers
+        # (N,), (N, T), (N,): the group's buffers, of which each part views its row (the
+        # slots one view a group, as a bucket's: ``_warm_up`` redirects each group once)
+        self.slots, self.masks, self.spans = slots, masks, spans
+        self.stored = parts[0].stored  # every part's: one layout
         self.apart = apart  # (k offsets, v offsets) (N,) from parts[0]'s storage (GPU path)
 
     def takes_one(self) -> bool:
@@ -198,7 +200,7 @@ class _BatchLayer:
         part at a time, the outputs joined (N, H, hd)."""
         lead = self.parts[0]
         if self.apart is not None and backend.attends_apart(q):
-            return backend.attention(q, lead.keys[:lead.stored], lead.values[:lead.stored],
+            return backend.attention(q, lead.keys[:self.stored], lead.values[:self.stored],
                                      self.masks, scale, softcap, write=(self.slots, k, v),
                                      span=self.spans, apart=self.apart)
         with backend.attention_rows_apart():
@@ -475,10 +477,9 @@ class StepGraphs:
         the logits' maximum, (token, logit) (NaN or inf: a fault), a uniform drawn from
         each generator when the step is queued; ``tokens`` None: each sequence's token is
         the one drawn ``after`` (the set's step before, queued with draws), on the device.
-        Every
-        token goes through the mat-vecs together (each weight read once a step, not once a
-        sequence); each attends over its own cache (``_BatchLayer``). Returns None, with
-        nothing booked or run, where the batch cannot: off (BATCH_GRAPHS), one sequence or
+        Every token goes through the mat-vecs together (each weight read once a step, not
+        once a sequence); each attends over its own cache (``_BatchLayer``). Returns None,
+        with nothing booked or run, where the batch cannot: off (BATCH_GRAPHS), one sequence or
         more than MAX_BATCH_SEQUENCES, a prompt's tokens, a cache without graphs of its
         own (``graph_for_step``, evicting none) or of another layout than the rest, a token
         that does not fit (ContextOverflow is the caller's) or a write not in place; each
@@ -727,10 +728,10 @@ class StepGraphs:
 
     def _outputs(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """A (rows,) float32 and a (rows,) int64 on the device, outside the graphs' pool,
-        for a captured step's tokens and their logits. Captures share one pool, in which blocks a
-        capture freed are another capture's to take: an output allocated inside a capture
-        can lie in the scratch of a graph captured before it, which that graph's replay
-        overwrites. A decode step run ahead reads its token from the step before after
+        for a captured step's tokens and their logits. Captures share one pool, in which
+        blocks a capture freed are another capture's to take: an output allocated inside a
+        capture can lie in the scratch of a graph captured before it, which that graph's
+        replay overwrites. A decode step run ahead reads its token from the step before after
         other graphs may have replayed (another cache's, on another thread): from the pool,
         that token could be any number, and the embedding's read of it a fault."""
         dev = self.backend.device
@@ -880,15 +881,14 @@ class StepGraphs:
             masks = b.dev_masks[start:start + n * width].view(n, width)
             slots = _batch_index(n, len(groups), "slots", gi)
             spans = _batch_index(n, len(groups), "spans", gi)
-            # one view a sequence, shared by the group's layers (``_warm_up`` groups by it)
             rows = [(i64[slots + j:slots + j + 1], masks[j:j + 1], i64[spans + j:spans + j + 1])
-                    for j in range(n)]
+                    for j in range(n)]  # (a sequence's: its part's)
+            group_slots, group_spans = i64[slots:slots + n], i64[spans:spans + n]
             for li in group.layers:
                 parts = [_StepLayer(*g.stores[li], *row, group.slots, True, kernels)
                          for g, row in zip(b.members, rows, strict=True)]
                 apart = None if kernels is None else _offsets(kernels, b.members, li)
-                layers[li] = _BatchLayer(parts, i64[slots:slots + n], masks,
-                                         i64[spans:spans + n], apart)
+                layers[li] = _BatchLayer(parts, group_slots, masks, group_spans, apart)
         return i64[:n], i64[n:2 * n], None, [layers[i] for i in range(len(layers))]
 
     @staticmethod
@@ -992,8 +992,7 @@ class StepGraphs:
         (an H200 then parted from eager steps by up to 0.3 logit at a second turn's prompt
         once a window's ring had wrapped). (Copies of the rows, put back after, did the
         same with a bucket's rows of every layer held: 9.4 MB for Gemma 3's 512 tokens.)"""
-        step_layers = [part for layer in b.inputs[3] for part in getattr(layer, "parts", [layer])]
-        groups = {id(layer.slots): layer for layer in step_layers}.values()  # (shared)
+        groups = {id(layer.slots): layer for layer in b.inputs[3]}.values()  # (shared)
         saved = [layer.slots.clone() for layer in groups]  # (B,) each
         for layer in groups:
             layer.slots.fill_(layer.stored)  # the spare row, which no query reads
