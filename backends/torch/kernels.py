@@ -891,7 +891,11 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
     row = tok * H + h
-    part = row * n_splits + sp
+    # (a row's partials at the grid's split count apart: APART rows split their own counts
+    # of slots, and strides of their own would overlap another row's, which GPU programs
+    # write at the same time)
+    stride = tl.num_programs(2)
+    part = row * stride + sp
     one = tl.arange(0, 1)
     tl.store(m_ptr + part + one, m_i)
     tl.store(l_ptr + part + one, l_i)
@@ -899,7 +903,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
         tl.store(acc_ptr + part.to(tl.int64) * HD + d, acc)
     tl.debug_barrier()  # every thread's partial written before the count is released
     if tl.atomic_add(count_ptr + row, 1) == n_splits - 1:  # acq_rel: sees the others'
-        _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD, NS, SB)
+        _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, stride, HD, NS, SB)
         tl.atomic_xchg(count_ptr + row, 0)  # ready for the next launch
         if QUANT:
             tl.debug_barrier()  # the head's output written before its chunks' counts
@@ -971,21 +975,21 @@ def _chunk_q8_blocks(x_ptr, row, j0, K, KP, q32_ptr, d32_ptr, q256_ptr, d256_ptr
 
 
 @triton.jit
-def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD: tl.constexpr,
+def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, stride, HD: tl.constexpr,
                   NS: tl.constexpr, SB: tl.constexpr):
-    """One query head's output (row = token * H + head) from its partial results (read
-    past L1: other programs wrote them): the splits' top maximum at once (NS of them), then
-    their sums and weighted values SB splits at a time, loading values only from the
-    splits that saw a key (the rest stored none). A (NS, HD) tile at once would take
-    NS * HD / threads registers: at 4096 slots (128 splits) ptxas gave it 255 and spilt.
-    SB is the same for every split count, so the sums' order is too: more splits that the
-    mask hides (a graph's whole storage against an eager step's slots used) add exact zeros
-    in whole blocks of their own, never regroup the others' sum (a (4, HD) tile and a
-    (16, HD) one pair their rows differently on a GPU: three splits' values then differed
-    by an ulp)."""
+    """One query head's output (row = token * H + head) from its n_splits partial results
+    at row * stride (read past L1: other programs wrote them): the splits' top maximum at
+    once (NS of them), then their sums and weighted values SB splits at a time, loading
+    values only from the splits that saw a key (the rest stored none). A (NS, HD) tile at
+    once would take NS * HD / threads registers: at 4096 slots (128 splits) ptxas gave it
+    255 and spilt. SB is the same for every split count, so the sums' order is too: more
+    splits that the mask hides (a graph's whole storage against an eager step's slots used)
+    add exact zeros in whole blocks of their own, never regroup the others' sum (a (4, HD)
+    tile and a (16, HD) one pair their rows differently on a GPU: three splits' values
+    then differed by an ulp)."""
     s = tl.arange(0, NS)
     d = tl.arange(0, HD)
-    m = tl.load(m_ptr + row * n_splits + s, mask=s < n_splits, other=float("-inf"),
+    m = tl.load(m_ptr + row * stride + s, mask=s < n_splits, other=float("-inf"),
                 cache_modifier=".cg")
     top = tl.max(m, axis=0)  # (exact in any order)
     top = tl.where(top == float("-inf"), 0.0, top)
@@ -993,7 +997,7 @@ def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, HD: tl.constexp
     acc = tl.zeros((HD,), tl.float32)
     for s0 in range(0, n_splits, SB):
         sb = s0 + tl.arange(0, SB)
-        part = row * n_splits + sb
+        part = row * stride + sb
         m_b = tl.load(m_ptr + part, mask=sb < n_splits, other=float("-inf"),
                       cache_modifier=".cg")
         seen = m_b != float("-inf")  # (SB,) splits that stored values
