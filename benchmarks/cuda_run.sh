@@ -55,6 +55,10 @@ GEMMA=/tmp/m/gemma-3-270m-q4_k_m.gguf
 SMALL=/tmp/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 LARGE=/tmp/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 MODELS=("$LARGE" "$GEMMA" "$SMALL")  # the goals' models first
+# MODEL_NAMES narrows the per-model steps to some (file names without .gguf: a short lease)
+if [ -n "${MODEL_NAMES:-}" ]; then
+    MODELS=(); for n in $MODEL_NAMES; do MODELS+=("/tmp/m/$n.gguf"); done
+fi
 
 # cuda_pytest LOG -k EXPR FILE...: the tests (8 workers, no tuning but the tuning test's own)
 cuda_pytest() {
@@ -211,8 +215,8 @@ step_engine() {
     local n
     for n in 1 2 4; do
         enough 60 "engine, $n streams" || return
-        timeout "$(limit 150)" python3 benchmarks/engine_one_stream.py "$LARGE" --tokens 128 \
-            --streams "$n" 2>&1 | tee -a "$LOGS/engine.txt" | tail -n 3
+        timeout "$(limit "${ENGINE_S:-150}")" python3 benchmarks/engine_one_stream.py "$LARGE" \
+            --tokens 128 --streams "$n" 2>&1 | tee -a "$LOGS/engine.txt" | tail -n 3
     done
 }
 

@@ -3,7 +3,9 @@
 process: decode tokens/s after the first token, medians of the rounds. ``--streams N``:
 N requests at once instead, their tokens/s in all (from the first token of any to the
 last of all, first tokens left out), with graphs also as each sequence's own graph in
-turn ("one a sequence") beside one graph of the set (the default).
+turn ("one a sequence") beside one graph of the set (the default), and after the timed
+rounds the same N prompts through each way, their tokens compared with the eager path's
+(greedy on the GPU path's per-token arithmetic: they should be the same tokens).
 
     python benchmarks/engine_one_stream.py MODEL.gguf [--backend torch] [--tokens 128]
         [--rounds 3] [--temperature 0] [--streams 1]
@@ -45,6 +47,14 @@ def many_streams(model, prompts: list[str], params: SamplingParams) -> float:
     return sum(len(t) - 1 for t in times) / (max(t[-1] for t in times) - start)
 
 
+def streams_tokens(model, prompts: list[str], params: SamplingParams) -> list[list[int]]:
+    """The tokens of len(prompts) completions submitted at once."""
+    from edgellm.engine import Request
+
+    handles = [model.engine.submit(Request(model.encode(p), params)) for p in prompts]
+    return [h.result(600).tokens for h in handles]
+
+
 def set_batch_graphs(on: bool) -> None:
     """Several sequences' decode steps as one graph of their set (on: the default), or
     each sequence's own graph replayed in turn (``EDGELLM_BATCH_GRAPHS=0``)."""
@@ -80,12 +90,24 @@ def main() -> None:
                        for i in range(args.streams)]
             speeds[name].append(one_stream(model, prompts[0], params) if args.streams == 1
                                 else many_streams(model, prompts, params))
+    same = {}
+    if args.streams > 1:  # the same prompts each way: are they the same tokens?
+        prompts = [f"[check {i}] Write a Python function that parses a CSV file."
+                   for i in range(args.streams)]
+        tokens = {}
+        for name in speeds:
+            model.backend.graphs = None if name == "eager" else graphs
+            set_batch_graphs(name != "graphs, one a sequence")
+            tokens[name] = streams_tokens(model, prompts, params)
+        for name in speeds:
+            same[name] = sum(a == b for a, b in zip(tokens[name], tokens["eager"], strict=True))
     model.backend.graphs = graphs
     set_batch_graphs(True)
     for name, values in speeds.items():
         spread = " ".join(f"{v:.1f}" for v in values)
         streams = "one stream" if args.streams == 1 else f"{args.streams} streams"
-        print(f"engine, {streams}, {name}: {statistics.median(values):.1f} t/s ({spread})")
+        check = f", {same[name]}/{args.streams} as eager's tokens" if name in same else ""
+        print(f"engine, {streams}, {name}: {statistics.median(values):.1f} t/s ({spread}){check}")
     model.close()
 
 
