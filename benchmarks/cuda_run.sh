@@ -9,7 +9,8 @@
 # llama-bench.xz, built with -DGGML_CUDA=ON against CUDA 13, and lib/libgomp.so.1).
 #
 # STEPS names the steps, run in that order (default: all; "a+b": a and b at once, for steps
-# whose speed is not measured, such as the two test steps); PYTEST_K narrows the tests.
+# whose speed is not measured, such as the two test steps); PYTEST_K narrows the tests,
+# MODEL_NAMES the per-model steps' models, ENGINE_S sets the engine step's seconds a run.
 # BUDGET_S: the seconds the whole script may take (a lease is short): a step is cut to what
 # is left, and skipped when too little is. Logs are gathered in $LOGS and packed into
 # $OUT/logs.tgz after every step (the lease hands back 8 files at most, and a step cut
@@ -25,6 +26,10 @@ mkdir -p "$OUT" "$LOGS" /tmp/m
 # kernel variants are timed once per card (backends/torch/tuning.py); every step shares the
 # choices, which come back in logs.tgz (tuning/)
 export EDGELLM_HOME=${EDGELLM_HOME:-/tmp/edgellm-home}
+# the choices an earlier lease timed on its card (benchmarks/tuning/, from its logs.tgz):
+# a fresh machine then spends no minutes timing them again (a file of another card, triton
+# or kernel version is not read; one already there is kept)
+mkdir -p "$EDGELLM_HOME/tuning" && cp -n benchmarks/tuning/*.json "$EDGELLM_HOME/tuning/"
 
 left() { echo $((BUDGET_S - (SECONDS - START))); }
 # limit N: N seconds, or what the budget leaves less 15 s to pack the logs
@@ -217,6 +222,8 @@ step_engine() {
         enough 60 "engine, $n streams" || return
         timeout "$(limit "${ENGINE_S:-150}")" python3 benchmarks/engine_one_stream.py "$LARGE" \
             --tokens 128 --streams "$n" 2>&1 | tee -a "$LOGS/engine.txt" | tail -n 3
+        local rc=${PIPESTATUS[0]}
+        ((rc == 0)) || echo "== engine, $n streams: rc=$rc (124: cut at its limit)"
     done
 }
 
