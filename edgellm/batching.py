@@ -210,6 +210,11 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _error_message(exc: Exception) -> str:
+    """A failed sequence's error, as its request reports it: the exception's type and text."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     """log softmax of ``logits`` (vocab,) at ``token``, and the ``top`` best (id, logprob)."""
     x = logits.astype(np.float64)
@@ -397,7 +402,7 @@ class Scheduler:
                 self._accept(seq, token)
             else:
                 self.counters.errors += 1
-                self._fail(seq, str(non_finite(len(seq.generated) + 1)))
+                self._fail(seq, _error_message(non_finite(len(seq.generated) + 1)))
         self._count_sampled(len(seqs))
         return len(seqs)
 
@@ -415,7 +420,7 @@ class Scheduler:
         """End every one of ``seqs`` with ``exc`` (a failed step of them all): 0 tokens run."""
         self.counters.errors += 1
         for seq in seqs:
-            self._fail(seq, f"{type(exc).__name__}: {exc}")
+            self._fail(seq, _error_message(exc))
         return 0
 
     def _close_streams(self) -> None:
@@ -443,7 +448,7 @@ class Scheduler:
                 if member.slot is not None:
                     member.slot.cache.reset()
                     member.slot.ids.clear()
-            error = f"{type(exc).__name__}: {exc}"
+            error = _error_message(exc)
             for member in members:
                 if member is not seq and member in self.running:
                     self.counters.errors += 1
