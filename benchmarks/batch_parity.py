@@ -4,7 +4,8 @@ each way (teacher-forced): each sequence's own graph in turn ("own"), one graph 
 set ("batch"); each step's largest logit difference from eager's and how many argmaxes
 agree. Then the set's stream (``Model.sampled_batch_tokens``: tokens drawn and chained
 on the device) runs free from the same prompts: the step where its tokens first leave
-eager's. Last, the split-attention kernel's ``apart`` mode against each row alone.
+eager's. (The split kernel's ``apart`` mode row by row is a test:
+``test_attention_apart_is_each_row_alone_over_its_own_cache``, on CUDA too.)
 
     python benchmarks/batch_parity.py MODEL.gguf [--streams 2] [--steps 40]
 
@@ -47,36 +48,6 @@ def report(name: str, steps: list[np.ndarray], reference: list[np.ndarray]) -> N
           f"{' '.join(f'{d:.2g}' for d in diffs[:12])} ...), argmaxes agree {agree}/{len(steps)}")
 
 
-def attention_apart(kernels, torch, device: str) -> None:
-    """The test's case that failed on a GPU (f32 caches, 8 rows) and its neighbours: each
-    row's largest difference from that row's attention alone."""
-    for hd, n, dtype in ((16, 8, torch.float32), (16, 3, torch.float32), (128, 8, torch.float32),
-                         (16, 8, torch.float16), (128, 3, torch.float16)):
-        heads, kvh, T = 4, 2, 70
-        g = torch.Generator().manual_seed(T + n)
-        q = torch.randn((n, heads, hd), generator=g).to(device)
-        kn, vn = (torch.randn((n, kvh, hd), generator=g).to(device) for _ in range(2))
-        caches = [[torch.randn((T + 1, kvh, hd), generator=g).to(device, dtype)
-                   for _ in range(2)] for _ in range(n)]
-        used = torch.randint(1, T, (n,), generator=g)
-        slots = (used - 1).to(device)
-        masks = (torch.arange(T)[None, :] < used[:, None]).to(device)
-        used = used.to(device)
-        alone = []
-        for j, (keys, values) in enumerate([[c.clone() for c in pair] for pair in caches]):
-            alone.append(kernels.attention(q[j:j + 1], keys[:T], values[:T], masks[j:j + 1],
-                                           hd ** -0.5, write=(slots[j:j + 1], kn[j:j + 1],
-                                                              vn[j:j + 1]),
-                                           span=used[j:j + 1]))
-        keys, values = ([pair[i] for pair in caches] for i in (0, 1))
-        apart = (kernels.offsets(keys, keys[0]), kernels.offsets(values, values[0]))
-        got = kernels.attention(q, keys[0][:T], values[0][:T], masks, hd ** -0.5,
-                                write=(slots, kn, vn), span=used, apart=apart)
-        rows = [float((got[j] - alone[j][0]).abs().max()) for j in range(n)]
-        print(f"attention apart hd={hd} n={n} {str(dtype)[6:]}: |diff| by row "
-              f"{' '.join(f'{r:.2g}' for r in rows)}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -86,8 +57,6 @@ def main() -> None:
     ap.add_argument("--no-apart", action="store_true",
                     help="a batch graph attends a sequence at a time (no apart launch)")
     args = ap.parse_args()
-    import torch
-
     from edgellm.backends.torch import graphs as graphs_module
 
     model = edgellm.load(args.model, backend=args.backend)
@@ -134,8 +103,6 @@ def main() -> None:
             part = next((i for i, (a, b) in enumerate(zip(d, f, strict=True)) if a != b), None)
             print(f"set stream, sequence {j}: first token unlike eager's at {part} "
                   f"(of {len(d)})")
-    if backend.kernels is not None:
-        attention_apart(backend.kernels, torch, str(backend.device))
     model.close()
 
 
