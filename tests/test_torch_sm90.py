@@ -70,8 +70,9 @@ def test_dependent_launches_wait_before_they_read(tmp_path, monkeypatch):
     step (launch fusions on, then off, the KV write its own launch, with the fused
     dequantize-GEMM; and a prompt's flash attention): the PTX waits for the launch before
     (``griddepcontrol.wait``) before any load, store or atomic, only L2 prefetches come
-    before the wait, and the next launch is let in after it. As plain launches (0): no
-    grid dependency control at all."""
+    before the wait, and the next launch is let in after it. As plain launches (0), in the
+    tiles a GPU launches (the interpreter's take more rows a program): no grid dependency
+    control at all."""
     from edgellm.backends.torch import kernels
     from tests.test_torch_models import _graph_backend, _tiny_net
 
@@ -79,7 +80,7 @@ def test_dependent_launches_wait_before_they_read(tmp_path, monkeypatch):
         net.forward(np.arange(1, 17), net.make_cache(64))
         net.forward(np.array([5]), cache)
 
-    launches = {}
+    launches, as_gpu = {}, {}
     for fused in (True, False):
         monkeypatch.setenv("EDGELLM_FUSE_LAUNCHES", str(int(fused)))
         monkeypatch.setenv("EDGELLM_FUSED_GEMM", str(int(not fused)))
@@ -90,12 +91,16 @@ def test_dependent_launches_wait_before_they_read(tmp_path, monkeypatch):
         net.forward(np.arange(1, 9), cache)
         for kernel, args, meta in offline_sm90._recorded(prompt_and_step, pdl=2, run=True):
             launches.setdefault(kernel.__name__, (kernel, args, meta))
-    kernel, args, meta = offline_sm90.flash_launch(4, 2, 32, 16, kernels.FLASH_TILES[0], pdl=2)
-    launches.setdefault(kernel.__name__, (kernel, args, meta))
-    assert set(launches) == {n for n in dir(kernels) if n.endswith("_kernel")}
+        for kernel, args, meta in offline_sm90._recorded(prompt_and_step, pdl=0):  # (not run)
+            as_gpu.setdefault(kernel.__name__, (kernel, args, meta))
+    for pdl, kept in ((2, launches), (0, as_gpu)):
+        kernel, args, meta = offline_sm90.flash_launch(4, 2, 32, 16, kernels.FLASH_TILES[0],
+                                                       pdl=pdl)
+        kept.setdefault(kernel.__name__, (kernel, args, meta))
+    assert set(launches) == set(as_gpu) == {n for n in dir(kernels) if n.endswith("_kernel")}
+    assert as_gpu["_round_kernel"][2]["ROWS"] == 1 < launches["_round_kernel"][2]["ROWS"]
     specs = [offline_sm90.launch_spec(*launch) for launch in launches.values()]
-    plain = [{**spec, "constexprs": {**spec["constexprs"], "PDL": 0},
-              "options": {**spec["options"], "launch_pdl": False}} for spec in specs]
+    plain = [offline_sm90.launch_spec(*launch) for launch in as_gpu.values()]
     compiled = offline_sm90.compile_specs(specs + plain)
     for c in compiled[:len(specs)]:
         wait = c.lines(r"griddepcontrol\.wait")

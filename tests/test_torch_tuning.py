@@ -29,14 +29,19 @@ def idle():
 
 class PickingTuner(Tuner):
     """A tuner, in memory only, that keeps candidate ``index`` of every key (its timer makes
-    that one the fastest); ``timed``: what the last key it timed timed, in order."""
+    that one the fastest); ``timed``: what the last key it timed timed, in order.
+    ``launch_all=False`` launches only the kept candidate, once (a model test in the
+    interpreter: the kernel tests run and time every candidate)."""
 
-    def __init__(self, index: int):
-        self.index, self.timed = index, []
+    def __init__(self, index: int, launch_all: bool = True):
+        self.index, self.launch_all, self.timed = index, launch_all, []
         super().__init__(None, "test", self._time, idle)
 
     def _fastest(self, name, candidates, run):
         self.timed = []
+        if not self.launch_all:
+            run(candidates[self.index])
+            return candidates[self.index]
         return super()._fastest(name, candidates, run)
 
     def _time(self, run) -> float:

@@ -650,16 +650,18 @@ def _dq_gemm_kernel(x_ptr, out_ptr, bias_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr
 
 
 @triton.jit
-def _round_kernel(x_ptr, out_ptr, K, BLOCK: tl.constexpr, K_QUANT: tl.constexpr,
-                  PDL: tl.constexpr):
-    """One block of one row rounded (``_block_q8``): q * d in f32, stored in out's dtype."""
+def _round_kernel(x_ptr, out_ptr, n, K, BLOCK: tl.constexpr, K_QUANT: tl.constexpr,
+                  ROWS: tl.constexpr, PDL: tl.constexpr):
+    """One block of ROWS rows of x (n, K) rounded (``_block_q8``): q * d in f32, stored in
+    out's dtype."""
     _await_inputs(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # (ROWS, 1)
     blk = tl.program_id(1)
     j = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK): one block
-    x = tl.load(x_ptr + row * K + blk * BLOCK + j)
+    at = rows * K + blk * BLOCK + j  # (ROWS, BLOCK)
+    x = tl.load(x_ptr + at, mask=rows < n, other=0.0)
     q, d = _block_q8(x, j, BLOCK, K_QUANT)
-    tl.store(out_ptr + row * K + blk * BLOCK + j, (q * d[:, None]).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + at, (q * d[:, None]).to(out_ptr.dtype.element_ty), mask=rows < n)
 
 
 @triton.jit
@@ -1100,6 +1102,11 @@ def _geometry(p: Planes) -> tuple[int, int, int, int]:
 
 #: triton reads TRITON_INTERPRET when it is first imported, as this module imports it
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+#: Rows a program takes in the interpreter (mat-vec, dequantize, rounding). It runs programs
+#: one after another, each op a numpy call whose cost hardly depends on the tile's size, so
+#: fewer, larger programs make the suite's kernel and model tests several times faster. A
+#: row's sums are the same in any tile (the tests of every GPU tile check that).
+INTERPRETER_ROWS = 64
 
 
 #: Mat-vec tiles (rows per program, chunks per step, warps) and K splits, from a sweep of the
@@ -1117,8 +1124,10 @@ MATVEC_TILES: dict[int, tuple[int, int, int]] = {}
 
 def matvec_tile(rows: int, n_chunks: int) -> tuple[int, int, int]:
     """The mat-vec tile for a matrix of ``rows`` rows of ``n_chunks`` 64-weight chunks (the
-    interpreter, which runs programs one after another, always takes the largest)."""
-    if n_chunks >= SPLIT_MIN_CHUNKS or rows >= 4096 or _INTERPRETING:
+    interpreter's: INTERPRETER_ROWS rows a program)."""
+    if _INTERPRETING:
+        return INTERPRETER_ROWS, 8, 4
+    if n_chunks >= SPLIT_MIN_CHUNKS or rows >= 4096:
         return 16, 8, 4
     return (4, 8, 4) if rows > 512 else (2, 8, 4)
 
@@ -1325,7 +1334,7 @@ def dequantize(p: Planes, dtype, ids=None):
     n = p.rows if ids is None else ids.shape[0]
     out = torch.empty((n, p.cols), dtype=dtype, device=p.q.device)
     nq, ng, nsup, n_chunks = _geometry(p)
-    bn, ch = 16, 4
+    bn, ch = (INTERPRETER_ROWS, 8) if _INTERPRETING else (16, 4)
     grid = (triton.cdiv(n, bn), triton.cdiv(n_chunks, ch))
     _launch(_dequant_kernel, grid, out, ids if ids is not None else p.q, *_plane_args(p), n,
             p.cols, nq, ng, nsup, n_chunks, KIND=p.kind, BN=bn, CH=ch, GATHER=ids is not None,
@@ -1396,8 +1405,9 @@ def round_activations(x, block: int = 32, dtype=None):
 
     n, K = x.shape
     out = torch.empty_like(x, dtype=dtype or x.dtype)
-    _launch(_round_kernel, (n, K // block), x, out, K, BLOCK=block, K_QUANT=block == 256,
-            num_warps=1 if block == 32 else 2)
+    rows = INTERPRETER_ROWS if _INTERPRETING else 1
+    _launch(_round_kernel, (triton.cdiv(n, rows), K // block), x, out, n, K, BLOCK=block,
+            K_QUANT=block == 256, ROWS=rows, num_warps=1 if block == 32 else 2)
     return out
 
 
