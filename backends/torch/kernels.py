@@ -659,9 +659,10 @@ def _round_kernel(x_ptr, out_ptr, n, K, BLOCK: tl.constexpr, K_QUANT: tl.constex
     blk = tl.program_id(1)
     j = tl.arange(0, BLOCK)[None, :]  # (1, BLOCK): one block
     at = rows * K + blk * BLOCK + j  # (ROWS, BLOCK)
-    x = tl.load(x_ptr + at, mask=rows < n, other=0.0)
+    ok = rows < n  # (ROWS, 1)
+    x = tl.load(x_ptr + at, mask=ok, other=0.0)
     q, d = _block_q8(x, j, BLOCK, K_QUANT)
-    tl.store(out_ptr + at, (q * d[:, None]).to(out_ptr.dtype.element_ty), mask=rows < n)
+    tl.store(out_ptr + at, (q * d[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
