@@ -1175,7 +1175,6 @@ def test_engine_draws_concurrent_sequences_tokens_on_the_device(tmp_path, monkey
     tokens are still its own. A penalised request among them sends their steps to the
     host's samplers. A sequence whose logits go NaN ends in an error that says so; the
     others go on."""
-    from edgellm.engine import Engine, Request
     from edgellm.sampling import SamplingParams
 
     model = _tiny_model(tmp_path)
@@ -1215,29 +1214,8 @@ def test_engine_draws_concurrent_sequences_tokens_on_the_device(tmp_path, monkey
     prompts = [[1, 40, 41, 42, 43], [1, 50, 60, 70], [1, 99, 98]]
 
     def serve(params, use_graphs: bool, first: int = 0, join_at=None, cancel_at=None):
-        """Each request's (tokens, finish reason, error): params[i] on prompts[first + i];
-        ``join_at``: the last is submitted once the first has that many tokens;
-        ``cancel_at``: the first is cancelled then."""
-        model.backend.graphs = graphs if use_graphs else None
-        engine = Engine(model, ctx=64, max_seqs=3, start=False, prefault=False)
-        requests = [Request(prompt, p) for prompt, p in zip(prompts[first:], params,
-                                                            strict=False)]
-        try:
-            handles = [engine.submit(r) for r in requests[:-1 if join_at else None]]
-            while not all(h.done for h in handles) or len(handles) < len(requests):
-                engine.step()
-                made = len(handles[0]._seq.generated)
-                if len(handles) < len(requests) and (made >= join_at or handles[0].done):
-                    handles.append(engine.submit(requests[-1]))
-                if cancel_at is not None and made >= cancel_at:
-                    handles[0].cancel()
-                for slot in engine._scheduler.slots:  # (a stream's members: one step ahead)
-                    ahead = slot.seq is not None and slot.seq.stream is not None
-                    assert slot.cache.offset == len(slot.ids) + ahead
-            return [(c.tokens, c.finish_reason, c.error) for c in (h.result(0) for h in handles)]
-        finally:
-            engine.close()
-            model.backend.graphs = graphs
+        return _serve_set(model, graphs, prompts, params, use_graphs, 3, first, join_at,
+                          cancel_at)
 
     chains = [greedy, sampled, warm]
     alone = [serve([p], False, first=i)[0] for i, p in enumerate(chains)]
@@ -1263,3 +1241,118 @@ def test_engine_draws_concurrent_sequences_tokens_on_the_device(tmp_path, monkey
     assert reason == "error" and error.startswith("NonFiniteLogits: ")  # (a lone stream's)
     assert "NaN or infinite" in error
     assert tokens == alone[1][0][:len(tokens)]
+
+
+def _serve_set(model, graphs, prompts: list, params: list, use_graphs: bool, max_seqs: int,
+               first: int = 0, join_at: int | None = None, cancel_at: int | None = None):
+    """Each request's (tokens, finish reason, error) from an engine of ``max_seqs`` slots
+    stepped by hand: params[i] on prompts[first + i], on ``graphs`` or (``use_graphs``
+    False) the eager host path; ``join_at``: the last is submitted once the first has
+    that many tokens; ``cancel_at``: the first is cancelled then. Every step, each slot's
+    cache holds its ids (a device stream's members: and the step run ahead)."""
+    from edgellm.engine import Engine, Request
+
+    model.backend.graphs = graphs if use_graphs else None
+    engine = Engine(model, ctx=64, max_seqs=max_seqs, start=False, prefault=False)
+    requests = [Request(prompt, p) for prompt, p in zip(prompts[first:], params,
+                                                        strict=False)]
+    try:
+        handles = [engine.submit(r) for r in requests[:-1 if join_at else None]]
+        while not all(h.done for h in handles) or len(handles) < len(requests):
+            engine.step()
+            made = len(handles[0]._seq.generated)
+            if len(handles) < len(requests) and (made >= join_at or handles[0].done):
+                handles.append(engine.submit(requests[-1]))
+            if cancel_at is not None and made >= cancel_at:
+                handles[0].cancel()
+            for slot in engine._scheduler.slots:
+                ahead = slot.seq is not None and slot.seq.stream is not None
+                assert slot.cache.offset == len(slot.ids) + ahead
+        return [(c.tokens, c.finish_reason, c.error) for c in (h.result(0) for h in handles)]
+    finally:
+        engine.close()
+        model.backend.graphs = graphs
+
+
+def test_batch_sets_hold_what_the_batch_graphs_kept_hold():
+    """Decoding sequences take as few batch graphs as hold them, sizes within one of each
+    other (9: 5 and 4, not 8 and a lone one), and no more than a model keeps (past 64 the
+    rest are left out, to step alone: more sets would capture some again every step)."""
+    from edgellm.backends.torch.graphs import MAX_BATCH_GRAPHS_PER_MODEL, batch_sets
+
+    assert batch_sets(0) == [] and batch_sets(1) == [range(0, 1)]
+    assert batch_sets(8) == [range(0, 8)]
+    assert batch_sets(9) == [range(0, 5), range(5, 9)]
+    assert [len(s) for s in batch_sets(17)] == [6, 6, 5]
+    for n in range(2, 200):
+        sets = batch_sets(n)
+        held = [j for s in sets for j in s]
+        assert held == list(range(min(n, 64)))  # in order, each once
+        assert len(sets) <= MAX_BATCH_GRAPHS_PER_MODEL
+        assert 2 <= min(map(len, sets)) and max(map(len, sets)) - min(map(len, sets)) <= 1
+        assert max(map(len, sets)) <= 8
+
+
+def test_engine_streams_more_sequences_than_a_batch_graph_holds(tmp_path, monkeypatch):
+    """More sequences decoding at once than one batch graph holds (MAX_BATCH_SEQUENCES: 3
+    here) stream from the device as the batch graphs of their sets (5: 3 and 2), every set's
+    step queued before the step before is read: each request gets the tokens it gets alone
+    on the host path, no decode step brings logits to the host, and a request joining (4
+    sets of 2 and 2, then 3 and 2) closes and reopens the stream. Past the sets a model
+    keeps (MAX_BATCH_GRAPHS_PER_MODEL: 1 here) the set does not stream: it samples on the
+    host, with the same tokens."""
+    from edgellm.backends.torch import graphs as graphs_module
+    from edgellm.sampling import SamplingParams
+
+    monkeypatch.setattr(graphs_module, "MAX_BATCH_SEQUENCES", 3)
+    model = _tiny_model(tmp_path)
+    graphs = model.backend.graphs
+    opened, sets_queued, to_host = [], [], []
+    real_open, real_sets = model.net.sampled_batch_tokens, graphs._queue_sets
+    wide = []  # (sequences, opened) of each set of more than 3 asked to stream
+
+    def spy_open(batch, *a, **k):
+        opened.append(real_open(batch, *a, **k))
+        wide.extend([(len(batch), opened[-1] is not None)] if len(batch) > 3 else [])
+        return opened[-1]
+
+    monkeypatch.setattr(model.net, "sampled_batch_tokens", spy_open)
+
+    def spy_sets(model_, sets, *a, **k):
+        steps = real_sets(model_, sets, *a, **k)
+        sets_queued.append([len(s) for s in sets] if steps is not None else None)
+        return steps
+
+    monkeypatch.setattr(graphs, "_queue_sets", spy_sets)
+    real_reader = graphs._logits_reader
+    monkeypatch.setattr(graphs, "_logits_reader", lambda b, want: to_host.extend(
+        [b.size] if want else []) or real_reader(b, want))
+    chains = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(seed=5, top_k=40, max_tokens=11, ignore_eos=True),
+              SamplingParams(seed=9, temperature=1.3, top_k=60, top_p=0.8, min_p=0.0,
+                             max_tokens=8, ignore_eos=True),
+              SamplingParams(seed=2, top_k=20, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)]
+    prompts = [[1, 40, 41, 42, 43], [1, 50, 60, 70], [1, 99, 98], [1, 7, 8, 9], [1, 33]]
+
+    def serve(params, use_graphs: bool, first: int = 0, join_at=None):
+        return _serve_set(model, graphs, prompts, params, use_graphs, 5, first, join_at)
+
+    alone = [serve([p], False, first=i)[0] for i, p in enumerate(chains)]
+    assert serve(chains, True) == alone
+    assert opened[0] is not None and sets_queued[0] == [3, 2]
+    assert [3, 2] in sets_queued[1:]  # (the step run ahead, from the device's draws)
+    assert to_host == [8] * 5  # each prompt's first token; no decode step's logits
+    opened.clear()
+    sets_queued.clear()
+    assert serve(chains, True, join_at=3) == alone
+    assert sets_queued[0] == [2, 2] and [3, 2] in sets_queued
+    assert len(opened) >= 2 and opened[0] is not None
+
+    assert (5, True) in wide
+    monkeypatch.setattr(graphs_module, "MAX_BATCH_GRAPHS_PER_MODEL", 1)
+    wide.clear()
+    to_host.clear()
+    assert serve(chains, True) == alone
+    assert wide and not any(streamed for _, streamed in wide)  # (the host's samplers,
+    assert len(to_host) > 5  # with the logits of their decode steps; 3 or fewer stream)

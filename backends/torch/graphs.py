@@ -48,8 +48,9 @@ that draws the token from the 64 largest logits (``_sample``), a uniform from th
 generator a step.
 
 Several caches decoding together (an engine's concurrent users: ``Model.forward_batch``)
-replay one graph of their set (``queue_batch``; up to 8 a graph, ``queue_batches``, beside
-a prompt's chunk that replays its own cache's graph), not each its own: their tokens go
+replay one graph of their set (``queue_batch``; up to 8 a graph, more in several sets:
+``batch_sets``, ``queue_batches``, beside a prompt's chunk that replays its own cache's
+graph), not each its own: their tokens go
 through the mat-vecs as one batch of 2..8 rows, so each weight is read once a step for all of them
 (the kernels' arithmetic is per token: each sequence's logits are those of its own step
 alone), and each sequence attends over its own cache's storage, which the set's caches'
@@ -297,6 +298,19 @@ def supported(cache: KVCache) -> bool:
                and layer.plan.keep == 0 for layer in cache.layers)
 
 
+def batch_sets(n: int) -> list[range]:
+    """The sets (index ranges, in order) that batch graphs step n decoding sequences in: as
+    few as hold them, MAX_BATCH_SEQUENCES at most each and sizes within one of each other
+    (9 sequences: 5 and 4, not 8 and a lone one), and no more sets than the batch graphs a
+    model keeps (MAX_BATCH_GRAPHS_PER_MODEL: a step of more would capture some of its sets
+    again every step, each evicting another); the sequences past their room are left out."""
+    held = min(n, MAX_BATCH_SEQUENCES * MAX_BATCH_GRAPHS_PER_MODEL)
+    count = -(-held // MAX_BATCH_SEQUENCES)
+    sizes = [held // count + (i < held % count) for i in range(count)]  # (larger first)
+    bounds = np.cumsum([0, *sizes])
+    return [range(int(bounds[i]), int(bounds[i + 1])) for i in range(count)]
+
+
 def bucket_for(n: int) -> int | None:
     """The smallest bucket that holds n tokens (None: more than the largest)."""
     return next((b for b in BUCKETS if b >= n), None)
@@ -404,14 +418,14 @@ class StepGraphs:
     def queue_batches(self, model, tokens: list[np.ndarray], caches: list[KVCache],
                       want: list[bool]) -> dict[int, Callable[[], np.ndarray | None]]:
         """``queue_batch`` over the sequences of a batch that bring one token (decode), in
-        groups of up to MAX_BATCH_SEQUENCES in the batch's order: {the sequence's index: a
-        function that waits and returns its logits (vocab,) or None (``want``)} for those
-        queued. The rest (a prompt's chunk; a group of one, or one ``queue_batch``
-        declines) are the caller's to step."""
+        the sets ``batch_sets`` makes of them in the batch's order: {the sequence's index:
+        a function that waits and returns its logits (vocab,) or None (``want``)} for those
+        queued. The rest (a prompt's chunk; a set of one, or one ``queue_batch`` declines;
+        the sequences past the sets' room) are the caller's to step."""
         decoding = [j for j, t in enumerate(tokens) if len(t) == 1]
         waits: dict[int, Callable[[], np.ndarray | None]] = {}
-        for start in range(0, len(decoding), MAX_BATCH_SEQUENCES):
-            group = decoding[start:start + MAX_BATCH_SEQUENCES]
+        for part in batch_sets(len(decoding)):
+            group = [decoding[at] for at in part]
             wait = self.queue_batch(model, [tokens[j] for j in group],
                                     [caches[j] for j in group], [want[j] for j in group])
             if wait is not None:
@@ -423,47 +437,70 @@ class StepGraphs:
     def batch_stream(self, model, tokens: list[np.ndarray], caches: list[KVCache],
                      params: list, rngs: list[np.random.Generator]
                      ) -> Iterator[list[tuple[int, float]]] | None:
-        """Decode steps of several caches as one batch graph (``queue_batch``), each
-        sequence's next token drawn on the device by its params' chain (``_sample``; the
-        argmax where ``params.argmax_only``) with one uniform of its generator a token as
-        the host's sampler draws it, for ever: each step queued before the tokens of the
-        one before are read back (its tokens taken from that step's draws on the device),
-        as ``greedy`` runs a lone cache. Yields each step's (token, the logits' maximum:
-        NaN or inf marks a fault) a sequence, no logits to the host. Every
-        cache holds one token more than was yielded until the generator is closed, which
-        waits for that step and trims it from each (where one cannot trim, or has no room
-        for it, the step is not run ahead). Copies of the generators in ``rngs`` draw each
-        step's uniforms when it is queued, the step ahead's included: the caller advances
-        its own one a token taken. None, with nothing run or drawn, where a chain needs
-        the host (``samplable``) or the caches cannot step as one batch graph."""
+        """Decode steps of several caches as the batch graphs of their sets (``batch_sets``:
+        one graph for up to 8, ``queue_batch``), each sequence's next token drawn on the
+        device by its params' chain (``_sample``; the argmax where ``params.argmax_only``)
+        with one uniform of its generator a token as the host's sampler draws it, for ever:
+        each step queued before the tokens of the one before are read back (its tokens
+        taken from that step's draws on the device), as ``greedy`` runs a lone cache.
+        Yields each step's (token, the logits' maximum: NaN or inf marks a fault) a
+        sequence, no logits to the host. Every cache holds one token more than was yielded
+        until the generator is closed, which waits for that step and trims it from each
+        (where one cannot trim, or has no room for it, the step is not run ahead). Copies
+        of the generators in ``rngs`` draw each step's uniforms when it is queued, the step
+        ahead's included: the caller advances its own one a token taken. None, with nothing
+        run or drawn, where a chain needs the host (``samplable``), the sets do not hold
+        every cache, or a set cannot step as one batch graph."""
         draws = _draws(params, rngs, model.args.vocab_size)
-        n = len(caches)
-        first = (self.queue_batch(model, tokens, caches, [True] * n, draws)
-                 if draws is not None else None)
+        sets = batch_sets(len(caches))
+        if draws is None or sum(map(len, sets)) < len(caches):
+            return None
+        first = self._queue_sets(model, sets, tokens, caches, draws)
         if first is None:
             return None
-        return self._batch_steps(model, caches, draws, first)
+        return self._batch_steps(model, sets, caches, draws, first)
 
-    def _batch_steps(self, model, caches: list[KVCache], draws: list, current: Callable):
+    def _batch_steps(self, model, sets: list[range], caches: list[KVCache], draws: list,
+                     current: list[_QueuedBatch]):
         ahead = None
-        want = [True] * len(caches)
         try:
             while True:
                 if all(c.fits(2) and c.max_trim() >= 1 for c in caches):
-                    ahead = self.queue_batch(model, None, caches, want, draws, after=current)
-                rows = current()
+                    ahead = self._queue_sets(model, sets, None, caches, draws, after=current)
+                rows = [row for step in current for row in step()]  # (sets: in order)
                 yield rows
                 if ahead is None:
-                    ahead = self.queue_batch(model, [np.array([t]) for t, _ in rows], caches,
-                                             want, draws)
-                    if ahead is None:  # (the set ran batch graphs a step ago: no room left)
+                    ahead = self._queue_sets(model, sets, [np.array([t]) for t, _ in rows],
+                                             caches, draws)
+                    if ahead is None:  # (the sets ran batch graphs a step ago: no room left)
                         raise RuntimeError("a batch stream's caches can take no more steps")
                 current, ahead = ahead, None
         finally:
             if ahead is not None:  # queued but never yielded
-                ahead()
+                for step in ahead:
+                    step()
                 for cache in caches:
                     cache.trim(1)
+
+    @_locked
+    def _queue_sets(self, model, sets: list[range], tokens: list[np.ndarray] | None,
+                    caches: list[KVCache], draws: list,
+                    after: list[_QueuedBatch] | None = None) -> list[_QueuedBatch] | None:
+        """A drawn step of each set of caches (``queue_batch``; ``after``: each set's step
+        before, whose draws are its tokens), or None with none queued where any set cannot
+        take one: every set is checked before the first is queued, since a queued set has
+        booked its tokens and drawn its uniforms."""
+        if not all(self._batch_members(model, [caches[j] for j in s]) for s in sets):
+            return None
+        steps = []
+        for at, s in enumerate(sets):
+            step = self.queue_batch(model, None if tokens is None else [tokens[j] for j in s],
+                                    [caches[j] for j in s], [True] * len(s),
+                                    [draws[j] for j in s], None if after is None else after[at])
+            if step is None:  # (its checks are _batch_members', passed above under the lock)
+                raise RuntimeError("a batch graph declined a step its set was checked for")
+            steps.append(step)
+        return steps
 
     @_locked
     def queue_batch(self, model, tokens: list[np.ndarray] | None, caches: list[KVCache],
@@ -487,18 +524,10 @@ class StepGraphs:
         n = len(caches)
         if tokens is None:  # (the step before's, copied on the device below)
             tokens = [np.zeros(1, np.int64)] * n
-        if not BATCH_GRAPHS or not 1 < n <= MAX_BATCH_SEQUENCES or any(
-                len(t) != 1 for t in tokens) or not all(c.fits(1) for c in caches) or len(
-                {id(c) for c in caches}) < n:
-            return None
-        members = [self.graph_for_step(model, 1, c, evict=False) for c in caches]
-        if any(g is None for g in members) or len({g.signature for g in members}) > 1:
+        members = self._batch_members(model, caches)
+        if members is None or any(len(t) != 1 for t in tokens):
             return None
         positions = [c.begin(1) for c in caches]
-        if not all(c.layers[group.layers[0]].writes_in_place(int(p[0]), 1)
-                   for c, g, p in zip(caches, members, positions, strict=True)
-                   for group in g.groups):
-            return None
         order = sorted(range(n), key=lambda j: id(members[j]))  # one graph for a set
         b = self._batch_for(model, tuple(members[j] for j in order))
         if draws is not None:  # (a stream's step ahead fills the other host set)
@@ -524,6 +553,22 @@ class StepGraphs:
                     for j in range(n)]
 
         return _QueuedBatch(wait, order, b.sampled[1] if draws is not None else None)
+
+    def _batch_members(self, model, caches: list[KVCache]) -> list[_Graph] | None:
+        """The caches' own graphs, which a batch graph of their decode steps attends over,
+        or None where they cannot step as one (``queue_batch``'s refusals but a prompt's
+        tokens)."""
+        n = len(caches)
+        if not BATCH_GRAPHS or not 1 < n <= MAX_BATCH_SEQUENCES or not all(
+                c.fits(1) for c in caches) or len({id(c) for c in caches}) < n:
+            return None
+        members = [self.graph_for_step(model, 1, c, evict=False) for c in caches]
+        if any(g is None for g in members) or len({g.signature for g in members}) > 1:
+            return None
+        if not all(c.layers[group.layers[0]].writes_in_place(c.offset, 1)
+                   for c, g in zip(caches, members, strict=True) for group in g.groups):
+            return None
+        return members
 
     def graph_for_step(self, model, n: int, cache: KVCache,
                        evict: bool = True) -> _Graph | None:
