@@ -10,7 +10,8 @@
 #
 # STEPS names the steps, run in that order (default: all; "a+b": a and b at once, for steps
 # whose speed is not measured, such as the two test steps); PYTEST_K narrows the tests,
-# MODEL_NAMES the per-model steps' models, ENGINE_S sets the engine step's seconds a run.
+# MODEL_NAMES the per-model steps' models, ENGINE_S sets the engine step's seconds a run,
+# ENGINE_STREAMS its request counts (default "1 2 4").
 # BUDGET_S: the seconds the whole script may take (a lease is short): a step is cut to what
 # is left, and skipped when too little is. Logs are gathered in $LOGS and packed into
 # $OUT/logs.tgz after every step (the lease hands back 8 files at most, and a step cut
@@ -215,10 +216,11 @@ step_sampling() {  # the default chain drawn on the device (sampled_tokens) agai
 }
 
 # requests through the engine (the server's path), graphs or not: one at a time, then 2 and
-# 4 at once (their decode steps as one graph of the set, or each sequence's own in turn)
+# 4 at once (their decode steps as one graph of the set, or each sequence's own in turn);
+# ENGINE_STREAMS: other counts (past 8: several batch graphs a step)
 step_engine() {
     local n
-    for n in 1 2 4; do
+    for n in ${ENGINE_STREAMS:-1 2 4}; do
         enough 60 "engine, $n streams" || return
         timeout "$(limit "${ENGINE_S:-150}")" python3 benchmarks/engine_one_stream.py "$LARGE" \
             --tokens 128 --streams "$n" 2>&1 | tee -a "$LOGS/engine.txt" | tail -n 3

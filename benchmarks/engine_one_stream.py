@@ -1,9 +1,10 @@
 """One request at a time through the engine (what ``edgellm serve``, the C ABI and
 ``Model.complete`` run), with the backend's graphs and without them, in turns in one
 process: decode tokens/s after the first token, medians of the rounds. ``--streams N``:
-N requests at once instead, their tokens/s in all (from the first token of any to the
-last of all, first tokens left out), with graphs also as each sequence's own graph in
-turn ("one a sequence") beside one graph of the set (the default), and after the timed
+N requests at once instead (an engine of N slots, 4 at least), their tokens/s in all
+(from the first token of any to the last of all, first tokens left out), with graphs also
+as each sequence's own graph in turn ("one a sequence") beside one graph of the set (the
+default; past 8 sequences, the graphs of their sets), and after the timed
 rounds the same N prompts through each way, their tokens compared with the eager path's
 (greedy on the GPU path's per-token arithmetic: they should be the same tokens).
 
@@ -21,6 +22,7 @@ import statistics
 import time
 
 import edgellm
+from edgellm.api import DEFAULT_ENGINE_SEQS
 from edgellm.sampling import SamplingParams
 
 
@@ -75,6 +77,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=1)
     args = ap.parse_args()
     model = edgellm.load(args.model, backend=args.backend)
+    if args.streams > 1:  # a slot a stream (the API's engine has DEFAULT_ENGINE_SEQS)
+        model.start_engine(max_seqs=max(args.streams, DEFAULT_ENGINE_SEQS))
     graphs = getattr(model.backend, "graphs", None)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens,
                             ignore_eos=True, seed=1)
