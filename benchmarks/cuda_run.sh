@@ -11,7 +11,8 @@
 # STEPS names the steps, run in that order (default: all; "a+b": a and b at once, for steps
 # whose speed is not measured, such as the two test steps); PYTEST_K narrows the tests,
 # MODEL_NAMES the per-model steps' models, ENGINE_S sets the engine step's seconds a run,
-# ENGINE_STREAMS its request counts (default "1 2 4").
+# ENGINE_STREAMS its request counts (default "1 2 4"), ENGINE_CHURN=K K x N requests N at a
+# time (engine_one_stream.py --churn: the sets change, as a busy server's).
 # BUDGET_S: the seconds the whole script may take (a lease is short): a step is cut to what
 # is left, and skipped when too little is. Logs are gathered in $LOGS and packed into
 # $OUT/logs.tgz after every step (the lease hands back 8 files at most, and a step cut
@@ -217,13 +218,14 @@ step_sampling() {  # the default chain drawn on the device (sampled_tokens) agai
 
 # requests through the engine (the server's path), graphs or not: one at a time, then 2 and
 # 4 at once (their decode steps as one graph of the set, or each sequence's own in turn);
-# ENGINE_STREAMS: other counts (past 8: several batch graphs a step)
+# ENGINE_STREAMS: other counts (past 8: several batch graphs a step); ENGINE_CHURN: --churn
 step_engine() {
     local n
     for n in ${ENGINE_STREAMS:-1 2 4}; do
         enough 60 "engine, $n streams" || return
         timeout "$(limit "${ENGINE_S:-150}")" python3 benchmarks/engine_one_stream.py "$LARGE" \
-            --tokens 128 --streams "$n" 2>&1 | tee -a "$LOGS/engine.txt" | tail -n 3
+            --tokens 128 --streams "$n" ${ENGINE_CHURN:+--churn "$ENGINE_CHURN"} 2>&1 |
+            tee -a "$LOGS/engine.txt" | tail -n 3
         local rc=${PIPESTATUS[0]}
         ((rc == 0)) || echo "== engine, $n streams: rc=$rc (124: cut at its limit)"
     done

@@ -9,7 +9,11 @@ rounds the same N prompts through each way, their tokens compared with the eager
 (greedy on the GPU path's per-token arithmetic: they should be the same tokens).
 
     python benchmarks/engine_one_stream.py MODEL.gguf [--backend torch] [--tokens 128]
-        [--rounds 3] [--temperature 0] [--streams 1]
+        [--rounds 3] [--temperature 0] [--streams 1] [--churn K]
+
+``--churn K``: K x N requests kept N at a time, each that ends replaced by the next, of
+spread lengths (tokens/s in all, prompts included, and the CUDA graph captures the runs
+made: a batch graph is captured for each new set of sequences decoding together).
 
 Where the backend has no graphs (the CPU backend) both runs are the same path. Each request
 has its own prompt (no prefix reuse between runs).
@@ -57,6 +61,34 @@ def streams_tokens(model, prompts: list[str], params: SamplingParams) -> list[li
     return [h.result(600).tokens for h in handles]
 
 
+def churned_streams(model, prompts: list[str], params: SamplingParams, streams: int) -> float:
+    """Tokens/s in all of len(prompts) completions kept ``streams`` at a time, each one
+    that ends replaced by the next (their lengths spread over half to all of
+    params.max_tokens), so the set decoding together changes as a busy server's does; from
+    the first request's submission to the last token, prompts included."""
+    from dataclasses import replace
+
+    from edgellm.engine import Request
+
+    lengths = [params.max_tokens // 2 + (i * 7 % 8) * params.max_tokens // 16
+               for i in range(len(prompts))]
+    start, handles, made = time.perf_counter(), [], 0
+    for prompt, length in zip(prompts, lengths, strict=True):
+        while sum(not h.done for h in handles) >= streams:
+            time.sleep(0.0005)
+        handles.append(model.engine.submit(Request(model.encode(prompt),
+                                                   replace(params, max_tokens=length))))
+    for h in handles:
+        made += len(h.result(600).tokens)
+    return made / (time.perf_counter() - start)
+
+
+def captures(model) -> tuple[int, float]:
+    """(CUDA graph captures so far, their seconds) of the model's backend; (0, 0) without."""
+    graphs = getattr(model.backend, "graphs", None)
+    return (graphs.captures, graphs.capture_seconds) if graphs is not None else (0, 0.0)
+
+
 def set_batch_graphs(on: bool) -> None:
     """Several sequences' decode steps as one graph of their set (on: the default), or
     each sequence's own graph replayed in turn (``EDGELLM_BATCH_GRAPHS=0``)."""
@@ -75,6 +107,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--churn", type=int, default=0, metavar="K",
+                    help="with --streams N: K*N requests kept N at a time, of spread lengths "
+                         "(tokens/s in all, prompts included; CUDA graph captures counted)")
     args = ap.parse_args()
     model = edgellm.load(args.model, backend=args.backend)
     if args.streams > 1:  # a slot a stream (the API's engine has DEFAULT_ENGINE_SEQS)
@@ -86,14 +121,23 @@ def main() -> None:
     if args.streams > 1 and graphs is not None:  # their decode steps as one graph, or not
         speeds["graphs, one a sequence"] = []
     one_stream(model, "warm-up: a haiku about caches", params)  # (captures, tuning)
+    churned: dict[str, list[str]] = {}  # each churned run's captures
     for r in range(args.rounds):
         for name in speeds:
             model.backend.graphs = None if name == "eager" else graphs
             set_batch_graphs(name != "graphs, one a sequence")
             prompts = [f"[{r} {name} {i}] Write a Python function that parses a CSV file."
                        for i in range(args.streams)]
-            speeds[name].append(one_stream(model, prompts[0], params) if args.streams == 1
-                                else many_streams(model, prompts, params))
+            if args.churn and args.streams > 1:
+                prompts = [f"[{r} {name} {i}] Write a Python function that parses a CSV file."
+                           for i in range(args.churn * args.streams)]
+                before = captures(model)
+                speeds[name].append(churned_streams(model, prompts, params, args.streams))
+                made = [a - b for a, b in zip(captures(model), before, strict=True)]
+                churned.setdefault(name, []).append(f"{made[0]} captures, {made[1]:.2f} s")
+            else:
+                speeds[name].append(one_stream(model, prompts[0], params) if args.streams == 1
+                                    else many_streams(model, prompts, params))
     same = {}
     if args.streams > 1:  # the same prompts each way: are they the same tokens?
         prompts = [f"[check {i}] Write a Python function that parses a CSV file."
@@ -111,6 +155,9 @@ def main() -> None:
         spread = " ".join(f"{v:.1f}" for v in values)
         streams = "one stream" if args.streams == 1 else f"{args.streams} streams"
         check = f", {same[name]}/{args.streams} as eager's tokens" if name in same else ""
+        if name in churned:
+            streams += f" churned x{args.churn}"
+            check += f"; {'; '.join(churned[name])}"
         print(f"engine, {streams}, {name}: {statistics.median(values):.1f} t/s ({spread}){check}")
     model.close()
 
