@@ -914,7 +914,7 @@ def test_decode_batches_replay_one_graph_of_their_set(tmp_path, monkeypatch, tri
 def test_decode_tokens_past_a_batch_graph_and_beside_a_prompt(tmp_path, monkeypatch):
     """A step with more decode tokens than a batch graph holds (MAX_BATCH_SEQUENCES: 2
     here) and a joining request's prompt chunk: the decode tokens replay batch graphs of
-    up to 2 in the batch's order, the one left over and the prompt their own caches'
+    up to 2 in their caches' order, the one left over and the prompt their own caches'
     graphs, all queued before any is waited for; the eager batch's logits and books."""
     from edgellm.backends.torch import graphs as graphs_module
     from edgellm.quants import Q
@@ -960,8 +960,9 @@ def test_decode_tokens_past_a_batch_graph_and_beside_a_prompt(tmp_path, monkeypa
         assert c.offset == e.offset
         for layer, layer_e in zip(c.layers, e.layers, strict=True):
             assert np.array_equal(layer.slot_pos, layer_e.slot_pos)
-    assert batched == [2, 2] + [2, 2, 2]  # (0, 1), (2, 3); then (0, 1), (2, 3), (4, 5)
-    assert singles == caches[:5] + [caches[4], caches[5]]  # prompts; the 5th, the joiner
+    assert batched == [2, 2] + [2, 2, 2]  # pairs in their caches' order (``cache_sets``)
+    left_over = max(caches[:5], key=id)  # (the last of the five in that order)
+    assert singles == caches[:5] + [left_over, caches[5]]  # prompts; a lone one, the joiner
 
 
 def test_a_batch_steps_draws_follow_their_sequences_into_other_rows():
@@ -1301,6 +1302,8 @@ def test_engine_streams_more_sequences_than_a_batch_graph_holds(tmp_path, monkey
     sets of 2 and 2, then 3 and 2) closes and reopens the stream. Past the sets a model
     keeps (MAX_BATCH_GRAPHS_PER_MODEL: 1 here) the set does not stream: it samples on the
     host, with the same tokens."""
+    from dataclasses import replace
+
     from edgellm.backends.torch import graphs as graphs_module
     from edgellm.sampling import SamplingParams
 
@@ -1318,9 +1321,13 @@ def test_engine_streams_more_sequences_than_a_batch_graph_holds(tmp_path, monkey
 
     monkeypatch.setattr(model.net, "sampled_batch_tokens", spy_open)
 
-    def spy_sets(model_, sets, *a, **k):
-        steps = real_sets(model_, sets, *a, **k)
+    partitions = set()  # how the sets split five caches, each time five stream
+
+    def spy_sets(model_, sets, tokens, caches, *a, **k):
+        steps = real_sets(model_, sets, tokens, caches, *a, **k)
         sets_queued.append([len(s) for s in sets] if steps is not None else None)
+        if len(caches) == 5:
+            partitions.add(frozenset(frozenset(id(caches[j]) for j in s) for s in sets))
         return steps
 
     monkeypatch.setattr(graphs, "_queue_sets", spy_sets)
@@ -1350,6 +1357,18 @@ def test_engine_streams_more_sequences_than_a_batch_graph_holds(tmp_path, monkey
     assert len(opened) >= 2 and opened[0] is not None
 
     assert (5, True) in wide
+
+    # 8 requests through the 5 slots: each that ends gives its slot to the next, which the
+    # scheduler lists last; the slots' caches still fall into the same two sets (batch
+    # graphs captured once), and each request gets its tokens alone
+    churn = [replace(p, max_tokens=n) for p, n in zip(chains * 2, (4, 20, 8, 20, 20, 20, 20, 20),
+                                                      strict=False)]
+    prompts += [[1, 12, 13], [1, 77, 78, 79], [1, 5]]
+    churned_alone = [serve([p], False, first=i)[0] for i, p in enumerate(churn)]
+    partitions.clear()
+    assert serve(churn, True) == churned_alone
+    assert len(partitions) == 1
+    del prompts[5:]
     monkeypatch.setattr(graphs_module, "MAX_BATCH_GRAPHS_PER_MODEL", 1)
     wide.clear()
     to_host.clear()

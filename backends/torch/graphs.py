@@ -49,7 +49,7 @@ generator a step.
 
 Several caches decoding together (an engine's concurrent users: ``Model.forward_batch``)
 replay one graph of their set (``queue_batch``; up to 8 a graph, more in several sets:
-``batch_sets``, ``queue_batches``, beside a prompt's chunk that replays its own cache's
+``cache_sets``, ``queue_batches``, beside a prompt's chunk that replays its own cache's
 graph), not each its own: their tokens go
 through the mat-vecs as one batch of 2..8 rows, so each weight is read once a step for all of them
 (the kernels' arithmetic is per token: each sequence's logits are those of its own step
@@ -311,6 +311,17 @@ def batch_sets(n: int) -> list[range]:
     return [range(int(bounds[i]), int(bounds[i + 1])) for i in range(count)]
 
 
+def cache_sets(caches: list[KVCache], among: list[int] | None = None) -> list[list[int]]:
+    """``batch_sets`` over the sequences ``among`` (indices into caches; default all), taken
+    in a fixed order of their caches (by id), not the batch's: an engine's slots keep their
+    caches, so the same caches decoding together fall into the same sets however the
+    scheduler lists them, and replay the batch graphs captured for those sets. (In the
+    batch's order, a request that ends and one that joins in its slot would shift every set
+    after it: each a new capture.)"""
+    ranked = sorted(range(len(caches)) if among is None else among, key=lambda j: id(caches[j]))
+    return [[ranked[at] for at in part] for part in batch_sets(len(ranked))]
+
+
 def bucket_for(n: int) -> int | None:
     """The smallest bucket that holds n tokens (None: more than the largest)."""
     return next((b for b in BUCKETS if b >= n), None)
@@ -418,14 +429,13 @@ class StepGraphs:
     def queue_batches(self, model, tokens: list[np.ndarray], caches: list[KVCache],
                       want: list[bool]) -> dict[int, Callable[[], np.ndarray | None]]:
         """``queue_batch`` over the sequences of a batch that bring one token (decode), in
-        the sets ``batch_sets`` makes of them in the batch's order: {the sequence's index:
+        the sets ``cache_sets`` makes of them: {the sequence's index:
         a function that waits and returns its logits (vocab,) or None (``want``)} for those
         queued. The rest (a prompt's chunk; a set of one, or one ``queue_batch`` declines;
         the sequences past the sets' room) are the caller's to step."""
         decoding = [j for j, t in enumerate(tokens) if len(t) == 1]
         waits: dict[int, Callable[[], np.ndarray | None]] = {}
-        for part in batch_sets(len(decoding)):
-            group = [decoding[at] for at in part]
+        for group in cache_sets(caches, decoding):
             wait = self.queue_batch(model, [tokens[j] for j in group],
                                     [caches[j] for j in group], [want[j] for j in group])
             if wait is not None:
@@ -437,7 +447,7 @@ class StepGraphs:
     def batch_stream(self, model, tokens: list[np.ndarray], caches: list[KVCache],
                      params: list, rngs: list[np.random.Generator]
                      ) -> Iterator[list[tuple[int, float]]] | None:
-        """Decode steps of several caches as the batch graphs of their sets (``batch_sets``:
+        """Decode steps of several caches as the batch graphs of their sets (``cache_sets``:
         one graph for up to 8, ``queue_batch``), each sequence's next token drawn on the
         device by its params' chain (``_sample``; the argmax where ``params.argmax_only``)
         with one uniform of its generator a token as the host's sampler draws it, for ever:
@@ -452,7 +462,7 @@ class StepGraphs:
         run or drawn, where a chain needs the host (``samplable``), the sets do not hold
         every cache, or a set cannot step as one batch graph."""
         draws = _draws(params, rngs, model.args.vocab_size)
-        sets = batch_sets(len(caches))
+        sets = cache_sets(caches)
         if draws is None or sum(map(len, sets)) < len(caches):
             return None
         first = self._queue_sets(model, sets, tokens, caches, draws)
@@ -460,14 +470,16 @@ class StepGraphs:
             return None
         return self._batch_steps(model, sets, caches, draws, first)
 
-    def _batch_steps(self, model, sets: list[range], caches: list[KVCache], draws: list,
+    def _batch_steps(self, model, sets: list[list[int]], caches: list[KVCache], draws: list,
                      current: list[_QueuedBatch]):
         ahead = None
         try:
             while True:
                 if all(c.fits(2) and c.max_trim() >= 1 for c in caches):
                     ahead = self._queue_sets(model, sets, None, caches, draws, after=current)
-                rows = [row for step in current for row in step()]  # (sets: in order)
+                by_sequence = {j: row for s, step in zip(sets, current, strict=True)
+                               for j, row in zip(s, step(), strict=True)}
+                rows = [by_sequence[j] for j in range(len(caches))]
                 yield rows
                 if ahead is None:
                     ahead = self._queue_sets(model, sets, [np.array([t]) for t, _ in rows],
@@ -483,7 +495,7 @@ class StepGraphs:
                     cache.trim(1)
 
     @_locked
-    def _queue_sets(self, model, sets: list[range], tokens: list[np.ndarray] | None,
+    def _queue_sets(self, model, sets: list[list[int]], tokens: list[np.ndarray] | None,
                     caches: list[KVCache], draws: list,
                     after: list[_QueuedBatch] | None = None) -> list[_QueuedBatch] | None:
         """A drawn step of each set of caches (``queue_batch``; ``after``: each set's step
