@@ -126,11 +126,10 @@ def main() -> None:
         for name in speeds:
             model.backend.graphs = None if name == "eager" else graphs
             set_batch_graphs(name != "graphs, one a sequence")
+            churn = args.churn if args.streams > 1 else 0
             prompts = [f"[{r} {name} {i}] Write a Python function that parses a CSV file."
-                       for i in range(args.streams)]
-            if args.churn and args.streams > 1:
-                prompts = [f"[{r} {name} {i}] Write a Python function that parses a CSV file."
-                           for i in range(args.churn * args.streams)]
+                       for i in range(max(churn, 1) * args.streams)]
+            if churn:
                 before = captures(model)
                 speeds[name].append(churned_streams(model, prompts, params, args.streams))
                 made = [a - b for a, b in zip(captures(model), before, strict=True)]

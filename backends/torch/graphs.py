@@ -502,22 +502,22 @@ class StepGraphs:
         before, whose draws are its tokens), or None with none queued where any set cannot
         take one: every set is checked before the first is queued, since a queued set has
         booked its tokens and drawn its uniforms."""
-        if not all(self._batch_members(model, [caches[j] for j in s]) for s in sets):
-            return None
-        steps = []
-        for at, s in enumerate(sets):
-            step = self.queue_batch(model, None if tokens is None else [tokens[j] for j in s],
-                                    [caches[j] for j in s], [True] * len(s),
-                                    [draws[j] for j in s], None if after is None else after[at])
-            if step is None:  # (its checks are _batch_members', passed above under the lock)
-                raise RuntimeError("a batch graph declined a step its set was checked for")
-            steps.append(step)
-        return steps
+        members = []
+        for s in sets:  # (each set's caches' graphs, looked up once: queue_batch takes them)
+            members.append(self._batch_members(model, [caches[j] for j in s]))
+            if members[-1] is None:
+                return None
+        return [self.queue_batch(model, None if tokens is None else [tokens[j] for j in s],
+                                 [caches[j] for j in s], [True] * len(s),
+                                 [draws[j] for j in s], None if after is None else after[at],
+                                 members=members[at])
+                for at, s in enumerate(sets)]
 
     @_locked
     def queue_batch(self, model, tokens: list[np.ndarray] | None, caches: list[KVCache],
                     want: list[bool], draws: list[_Draw | None] | None = None,
-                    after: _QueuedBatch | None = None) -> _QueuedBatch | None:
+                    after: _QueuedBatch | None = None,
+                    members: list[_Graph] | None = None) -> _QueuedBatch | None:
         """A decode step of several caches (a token each: ``tokens`` (1,) a cache) as the
         one graph of their set, queued and not waited for: a function that waits and
         returns each sequence's logits (vocab,), None where ``want`` says False; or, with
@@ -532,11 +532,12 @@ class StepGraphs:
         more than MAX_BATCH_SEQUENCES, a prompt's tokens, a cache without graphs of its
         own (``graph_for_step``, evicting none) or of another layout than the rest, a token
         that does not fit (ContextOverflow is the caller's) or a write not in place; each
-        sequence then replays its own graph."""
+        sequence then replays its own graph. ``members``: the caches' ``_batch_members``,
+        where the caller checked them (under the lock; not looked up again)."""
         n = len(caches)
         if tokens is None:  # (the step before's, copied on the device below)
             tokens = [np.zeros(1, np.int64)] * n
-        members = self._batch_members(model, caches)
+        members = members or self._batch_members(model, caches)
         if members is None or any(len(t) != 1 for t in tokens):
             return None
         positions = [c.begin(1) for c in caches]
