@@ -965,6 +965,91 @@ def test_decode_tokens_past_a_batch_graph_and_beside_a_prompt(tmp_path, monkeypa
     assert singles == caches[:5] + [left_over, caches[5]]  # prompts; a lone one, the joiner
 
 
+@pytest.mark.parametrize("triton", [False, True])
+def test_sets_of_one_size_rebind_a_batch_graph_not_make_another(tmp_path, monkeypatch,
+                                                               triton):
+    """Other caches decoding together, as many as a set before (an engine's requests come
+    and go), take over that set's batch graph, once all its steps were read, rather than
+    make (on a GPU: capture) another: on the GPU path (``triton``) its attention's offsets
+    refilled in place from the first set's storage (what a captured graph reads), else its
+    parts bound anew; two sets of one step each get their own. The eager batch's logits
+    and books throughout; a graph captured over its members' own storage a part at a time
+    is not rebound. (The eager steps: each sequence alone.)"""
+    from edgellm.backends.torch import graphs as graphs_module
+    from edgellm.quants import Q
+
+    monkeypatch.setattr(graphs_module, "MAX_BATCH_SEQUENCES", 2)
+    backend = _graph_backend(triton)
+    net = _tiny_net(tmp_path, Q.Q5_0 if triton else Q.Q8_0, backend, small=triton,
+                    layers=2 if triton else None)
+    graphs = backend.graphs
+    made = []
+    real_new = graphs._new_batch
+    monkeypatch.setattr(graphs, "_new_batch", lambda m: made.append(m) or real_new(m))
+
+    def run(use_graphs: bool, plan: list | None = None):
+        """The caches of each decode step: all four (two sets of two, in their caches'
+        order: a, b and c, d), then pairs that no set before held (``plan``: as made)."""
+        backend.graphs = graphs if use_graphs else None
+        try:
+            caches = [net.make_cache(64) for _ in range(4)]
+            tokens = [int(net.forward_batch([(np.array([5 + j, 9]), c)])[0].argmax())
+                      for j, c in enumerate(caches)]
+            plan = plan or [(0, 1, 2, 3)]
+            out = []
+            while len(out) < len(plan):
+                order = plan[len(out)]  # (eagerly a sequence at a time: a batch's row
+                # count rounds CPU torch's dense matmuls otherwise, 8-bit activations more)
+                pairs = [(np.array([tokens[j]]), caches[j]) for j in order]
+                got = (net.forward_batch(pairs) if use_graphs
+                       else [net.forward_batch([pair])[0] for pair in pairs])
+                out.append(got)
+                for j, x in zip(order, got, strict=True):
+                    tokens[j] = int(x.argmax())
+                if len(plan) == 1:
+                    (a, b), (c, d) = graphs_module.cache_sets(caches)
+                    plan += [(a, c), (d, b)] + ([] if triton else [(b, c), (c, a, d, b),
+                                                                    (d, a)])
+            return out, caches, plan
+        finally:
+            backend.graphs = graphs
+
+    got, caches, plan = run(True)
+    eager, eager_caches, _ = run(False, plan)
+    for step, expected in zip(got, eager, strict=True):
+        for g, e in zip(step, expected, strict=True):
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
+            assert int(g.argmax()) == int(e.argmax())
+    for c, e in zip(caches, eager_caches, strict=True):
+        for layer, layer_e in zip(c.layers, e.layers, strict=True):
+            assert layer.offset == layer_e.offset
+            assert np.array_equal(layer.slot_pos, layer_e.slot_pos)
+    assert len(made) == 2  # the first step's two sets; every pair after rebound one
+    batches = graphs._batches[id(net)]
+    assert len(batches) == 2 and all(b.unread == 0 for b in batches.values())
+    last = list(batches.values())[-1]
+    owners = {id(g.owner()) for g in last.members}
+    assert owners == {id(caches[j]) for j in plan[-1]}
+    for layer in last.inputs[3]:  # each part over its member's own storage, no other's
+        assert [p.keys.data_ptr() for p in layer.parts] == [
+            g.stores[layer.layer][0].data_ptr() for g in last.members]
+    if triton:  # the anchor kept, and each row's offsets from it to its member's storage
+        assert last.anchor is made[1][0] and list(map(id, last.members)) != list(map(id, made[1]))
+        base = last.anchor.stores[0][1]
+        assert last.apart[0, 1].tolist() == [
+            (g.stores[0][1].data_ptr() - base.data_ptr()) // base.element_size()
+            for g in last.members]
+        last.inputs[3][0].one_launch = False  # as if it had attended a part at a time
+    else:
+        assert last.anchor is last.members[0] and last.apart is None
+    last.graph = object()  # captured: rebinding would leave it reading the old storage
+    try:
+        assert not graphs._rebind(last, tuple(reversed(last.members)))
+    finally:
+        last.graph = None
+    assert {id(g.owner()) for g in last.members} == owners
+
+
 def test_a_batch_steps_draws_follow_their_sequences_into_other_rows():
     """A stream's step ahead takes the tokens the step before drew in its own rows' order
     (``_QueuedBatch.drawn_in``): the same order as is, another (a member's graph made again

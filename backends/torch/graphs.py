@@ -56,10 +56,15 @@ through the mat-vecs as one batch of 2..8 rows, so each weight is read once a st
 alone), and each sequence attends over its own cache's storage, which the set's caches'
 graphs hold (so a batch graph adds no KV memory; it is dropped with any of them). A set is
 captured at its first step; an engine's slots keep their caches, so a set of users decoding
-together replays the same graph until one of them is done. Its logits come to the host
-(N, vocab), or (``batch_stream``) each sequence's token is drawn after it on the device by
-its own chain (``_sample`` over the rows, each with its own knobs), only the tokens come
-back, and the next step is queued before they are read, as a lone cache's ``greedy``.
+together replays the same graph until one of them is done. Then (requests come and go)
+another set of that size and layout takes over an idle batch graph rather than capture
+one (``_taken_over``): on the GPU path its attention reads each row's cache at an offset
+from its first set's storage (``kernels.attention``'s ``apart``), from a device table
+refilled in place, so each layout keeps about one batch graph a set size. Its logits come
+to the host (N, vocab), or (``batch_stream``) each sequence's token is drawn after it on the
+device by its own chain (``_sample`` over the rows, each with its own knobs), only the
+tokens come back, and the next step is queued before they are read, as a lone cache's
+``greedy``.
 """
 
 from __future__ import annotations
@@ -181,16 +186,28 @@ class _QueuedBatch:
 
 class _BatchLayer:
     """Model.attention's view of one layer inside a batch graph's step: row j is sequence
-    j's token, attended against its own cache (``parts[j]``, a ``_StepLayer``)."""
+    j's token, attended against its own cache (``parts[j]``, a ``_StepLayer``; ``bind``)."""
 
-    def __init__(self, parts: list[_StepLayer], slots: torch.Tensor, masks: torch.Tensor,
-                 spans: torch.Tensor, apart: tuple | None):
-        self.parts = parts
-        # (N,), (N, T), (N,): the group's buffers, of which each part views its row (the
+    def __init__(self, layer: int, rows: list[tuple], slots: torch.Tensor,
+                 masks: torch.Tensor, spans: torch.Tensor, stored: int, kernels=None):
+        self.layer, self.kernels = layer, kernels
+        self.rows = rows  # (slot (1,), mask (1, T), span (1,)): each sequence's views
+        # (N,), (N, T), (N,): the group's buffers, of which each row views its own (the
         # slots one view a group, as a bucket's: ``_warm_up`` redirects each group once)
         self.slots, self.masks, self.spans = slots, masks, spans
-        self.stored = parts[0].stored  # every part's: one layout
-        self.apart = apart  # (k offsets, v offsets) (N,) from parts[0]'s storage (GPU path)
+        self.stored = stored  # every member's: one layout
+        self.parts: list[_StepLayer] = []
+        self.base: tuple | None = None  # (keys, values) (stored + 1, KVH, hd): the anchor's
+        self.apart: tuple | None = None  # (k offsets, v offsets) (N,) from base (GPU path)
+        self.one_launch: bool | None = None  # how its last step attended (None: none yet)
+
+    def bind(self, members: tuple, anchor: _Graph, apart: tuple | None) -> None:
+        """Attend over the members' storage: a part at a time, or (``apart``: offsets of
+        their storage from the anchor's, in elements) in one launch."""
+        self.parts = [_StepLayer(*g.stores[self.layer], *row, self.stored, True, self.kernels)
+                      for g, row in zip(members, self.rows, strict=True)]
+        self.base = tuple(t.as_subclass(torch.Tensor) for t in anchor.stores[self.layer])
+        self.apart = apart
 
     def takes_one(self) -> bool:
         return False
@@ -199,9 +216,10 @@ class _BatchLayer:
         """q (N, H, hd), k, v (N, KVH, hd): each row stored and attended in its own cache:
         on the GPU path in one launch (``TorchBackend.attention``'s ``apart``), else a
         part at a time, the outputs joined (N, H, hd)."""
-        lead = self.parts[0]
-        if self.apart is not None and backend.attends_apart(q):
-            return backend.attention(q, lead.keys[:self.stored], lead.values[:self.stored],
+        self.one_launch = self.apart is not None and backend.attends_apart(q)
+        if self.one_launch:
+            keys, values = self.base
+            return backend.attention(q, keys[:self.stored], values[:self.stored],
                                      self.masks, scale, softcap, write=(self.slots, k, v),
                                      span=self.spans, apart=self.apart)
         with backend.attention_rows_apart():
@@ -257,6 +275,11 @@ class _Bucket:
     sampled: tuple | None = None  # (the maximum logit (1,), the drawn token (1,))
     members: tuple = ()  # a batch graph's (``queue_batch``): each sequence's cache's _Graph,
     # whose storage its rows attend over; empty for a bucket of one cache's steps
+    anchor: _Graph | None = None  # a batch graph's: the graph whose storage's address
+    # ``apart``'s offsets count from (its first members' first; kept while rebound)
+    apart: torch.Tensor | None = None  # (layers, 2, N) int64 on the device: each row's keys'
+    # and values' offsets from the anchor's, a layer (GPU path; refilled when rebound)
+    unread: int = 0  # a batch graph's steps queued whose rows are not yet read
 
     def flip(self) -> _HostSet:
         """Swap in the other host set (made at the first flip): a step queued ahead fills
@@ -558,6 +581,7 @@ class StepGraphs:
             read = functools.partial(self._read_rows, b.host)
         else:
             read = self._logits_reader(b, any(want))
+        read = self._counted(b, read)
 
         def wait() -> list:
             rows = read()
@@ -566,6 +590,23 @@ class StepGraphs:
                     for j in range(n)]
 
         return _QueuedBatch(wait, order, b.sampled[1] if draws is not None else None)
+
+    def _counted(self, b: _Bucket, read: Callable[[], object]) -> Callable[[], object]:
+        """``read`` (of b's step, just queued), b's step counted unread until it is first
+        called (``_taken_over`` rebinds no batch graph whose outputs a reader, or the step
+        after, may still take)."""
+        b.unread += 1
+        pending = [b]
+
+        def once():
+            try:
+                return read()
+            finally:
+                with self._lock:
+                    if pending:
+                        pending.pop().unread -= 1
+
+        return once
 
     def _batch_members(self, model, caches: list[KVCache]) -> list[_Graph] | None:
         """The caches' own graphs, which a batch graph of their decode steps attends over,
@@ -899,17 +940,79 @@ class StepGraphs:
         least recently used goes past MAX_BATCH_GRAPHS_PER_MODEL)."""
         batches = self._batches.setdefault(id(model), {})
         key = tuple(id(g) for g in members)  # (members hold their graphs: no id reused)
-        b = batches.pop(key, None) or self._new_batch(members)
+        b = (batches.pop(key, None) or self._taken_over(batches, members)
+             or self._new_batch(members))
         batches[key] = b  # the most recent last
         while len(batches) > MAX_BATCH_GRAPHS_PER_MODEL:
             batches.pop(next(iter(batches)))
         return b
 
+    def _taken_over(self, batches: dict, members: tuple[_Graph, ...]) -> _Bucket | None:
+        """The least recently used batch graph of another set of the members' size and
+        layout whose steps were all read, made theirs (``_rebind``) and taken out of
+        ``batches``; None where none can be. (A capture costs a warm-up of two steps and
+        the capture; sets change at every request an engine admits or finishes.)"""
+        n, sig = len(members), members[0].signature
+        for key, b in batches.items():  # the least recently used first
+            if (b.size == n and b.anchor.signature == sig and b.unread == 0
+                    and self._rebind(b, members)):
+                del batches[key]
+                return b
+        return None
+
+    def _rebind(self, b: _Bucket, members: tuple[_Graph, ...]) -> bool:
+        """Make b the batch graph of other members, without a capture, where it can be:
+        its layers attended in one launch (the GPU path), at offsets from its anchor's
+        storage, which are refilled in place (a captured graph reads them from that
+        table), the anchor kept; or nothing was captured (its inputs then bound anew, the
+        first member the anchor). Returns whether b was rebound (not: its captured
+        layers attend a member's own storage at a time)."""
+        layers = b.inputs[3]
+        kept = (b.apart is not None
+                and all(layer.one_launch is not False for layer in layers))
+        table = self._offset_table(b.anchor, members) if kept else None
+        if table is not None:  # (stream-ordered: after b's steps, all read; before its next)
+            b.apart.copy_(table.pin_memory() if self.capture else table, non_blocking=True)
+        elif b.graph is not None:
+            return False
+        else:
+            b.anchor, table = members[0], self._offset_table(members[0], members)
+            b.apart = None if table is None else table.to(self.backend.device)
+        self._bind(b, members)
+        return True
+
+    def _bind(self, b: _Bucket, members: tuple[_Graph, ...]) -> None:
+        """b's layers attend over the members' storage (at b.apart's offsets from b's
+        anchor's, where there are any)."""
+        b.members = members
+        for layer in b.inputs[3]:
+            at = layer.layer
+            layer.bind(members, b.anchor,
+                       None if b.apart is None else (b.apart[at, 0], b.apart[at, 1]))
+
+    def _offset_table(self, anchor: _Graph, members: tuple[_Graph, ...]
+                      ) -> torch.Tensor | None:
+        """Each member's keys' and values' offsets from the anchor's, a layer (int64
+        (layers, 2, N) on the host: ``kernels.attention``'s ``apart``), or None where the
+        kernels cannot take them (CPU torch; storage not 64-byte aligned: the layers then
+        attend a member at a time)."""
+        kernels = self.backend.kernels
+        if kernels is None:
+            return None
+        try:
+            return torch.tensor([[kernels.offset_elements(
+                [g.stores[li][i] for g in members], base.data_ptr(), base.dtype,
+                base.element_size()) for i, base in enumerate(stores)]
+                for li, stores in enumerate(anchor.stores)], dtype=torch.int64)
+        except ValueError:
+            return None
+
     def _drop_batches_of(self, model, g: _Graph) -> None:
-        """Forget the batch graphs over g's storage (g itself is gone)."""
+        """Forget the batch graphs over g's storage, or counting from its address (g itself
+        is gone)."""
         batches = self._batches.get(id(model), {})
-        for key in [key for key, b in batches.items()
-                    if any(m is g for m in b.members)]:  # (identity: _Graph's == is fields')
+        for key in [key for key, b in batches.items()  # (identity: _Graph's == is fields')
+                    if b.anchor is g or any(m is g for m in b.members)]:
             del batches[key]
 
     def _new_batch(self, members: tuple[_Graph, ...]) -> _Bucket:
@@ -924,13 +1027,16 @@ class StepGraphs:
             total += n * group.slots
         b = _Bucket(n, *self._step_buffers(("batch", lead.signature, n),
                                            _batch_index(n, len(groups), "end"), total),
-                    spans, members=members)
+                    spans, members=members, anchor=lead)
         b.inputs = self._batch_inputs(b)
+        table = self._offset_table(lead, members)
+        b.apart = None if table is None else table.to(self.backend.device)
+        self._bind(b, members)
         return b
 
     def _batch_inputs(self, b: _Bucket) -> tuple:
         """(ids (N,), positions (N,), no last row (every row's logits), per-layer
-        ``_BatchLayer``s over each sequence's storage) on b's device buffers."""
+        ``_BatchLayer``s over each sequence's storage: ``_bind``) on b's device buffers."""
         n, groups = b.size, b.members[0].groups
         i64, kernels = b.dev_i64, self.backend.kernels
         layers = {}
@@ -943,10 +1049,8 @@ class StepGraphs:
                     for j in range(n)]  # (a sequence's: its part's)
             group_slots, group_spans = i64[slots:slots + n], i64[spans:spans + n]
             for li in group.layers:
-                parts = [_StepLayer(*g.stores[li], *row, group.slots, True, kernels)
-                         for g, row in zip(b.members, rows, strict=True)]
-                apart = None if kernels is None else _offsets(kernels, b.members, li)
-                layers[li] = _BatchLayer(parts, group_slots, masks, group_spans, apart)
+                layers[li] = _BatchLayer(li, rows, group_slots, masks, group_spans,
+                                         group.slots, kernels)
         return i64[:n], i64[n:2 * n], None, [layers[i] for i in range(len(layers))]
 
     @staticmethod
@@ -1108,17 +1212,6 @@ def _with_spare_row(t: torch.Tensor) -> torch.Tensor:
     if full is None or full.shape[0] != t.shape[0] + 1 or full.data_ptr() != t.data_ptr():
         full = torch.zeros((t.shape[0] + 1, *t.shape[1:]), dtype=t.dtype, device=t.device)
     return full.as_subclass(type(t))
-
-
-def _offsets(kernels, members: tuple[_Graph, ...], layer: int) -> tuple | None:
-    """Each member's keys and values of ``layer`` as offsets from the first's (int64 (N,)
-    on the device each: ``kernels.attention``'s ``apart``), or None where the kernel cannot
-    take them (storage not 64-byte aligned: the layer then attends a member at a time)."""
-    try:
-        return tuple(kernels.offsets([g.stores[layer][i] for g in members],
-                                     members[0].stores[layer][i]) for i in (0, 1))
-    except ValueError:
-        return None
 
 
 def _book(cache: KVCache, group: _Group, positions: np.ndarray, mask: np.ndarray,

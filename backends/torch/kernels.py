@@ -1633,16 +1633,23 @@ def flash_prompt_attention(q, k, v, mask, scale: float, tile: tuple | None = Non
 
 def offsets(tensors: list, base):
     """Each tensor's memory's distance from base's, in elements (int64 (n,) on base's
-    device): ``attention``'s ``apart``. The tensors are of base's dtype and, as
-    allocations are, 64-byte aligned (the kernel takes the distances as whole multiples of
-    OFFSET_ALIGN elements, 64 bytes of f32)."""
+    device): ``attention``'s ``apart``."""
     import torch
 
-    size = base.element_size()
-    gaps = [t.data_ptr() - base.data_ptr() for t in tensors]
-    if any(t.dtype != base.dtype for t in tensors) or any(g % 64 for g in gaps):
+    return torch.tensor(offset_elements(tensors, base.data_ptr(), base.dtype,
+                                        base.element_size()),
+                        dtype=torch.int64, device=base.device)
+
+
+def offset_elements(tensors: list, base_ptr: int, dtype, element_size: int) -> list[int]:
+    """Each tensor's memory's distance from address ``base_ptr``, in elements of
+    ``element_size`` bytes. The tensors are of ``dtype`` and, as allocations are, 64-byte
+    aligned (the kernel takes the distances as whole multiples of OFFSET_ALIGN elements,
+    64 bytes of f32), else ValueError."""
+    gaps = [t.data_ptr() - base_ptr for t in tensors]
+    if any(t.dtype != dtype for t in tensors) or any(g % 64 for g in gaps):
         raise ValueError("attention apart takes caches of one dtype, 64-byte aligned")
-    return torch.tensor([g // size for g in gaps], dtype=torch.int64, device=base.device)
+    return [g // element_size for g in gaps]
 
 
 def store_kv(keys, values, slots, k, v) -> None:
