@@ -970,8 +970,8 @@ def test_sets_of_one_size_rebind_a_batch_graph_not_make_another(tmp_path, monkey
                                                                triton):
     """Other caches decoding together, as many as a set before (an engine's requests come
     and go), take over that set's batch graph, once all its steps were read, rather than
-    make (on a GPU: capture) another: on the GPU path (``triton``) its attention's offsets
-    refilled in place from the first set's storage (what a captured graph reads), else its
+    make (on a GPU: capture) another: on the GPU path (``triton``; on CUDA both) its offsets
+    from the first set's storage refilled in place (what a captured graph reads), else its
     parts bound anew; two sets of one step each get their own. The eager batch's logits
     and books throughout; a graph captured over its members' own storage a part at a time
     is not rebound. (The eager steps: each sequence alone.)"""
@@ -1033,7 +1033,8 @@ def test_sets_of_one_size_rebind_a_batch_graph_not_make_another(tmp_path, monkey
     for layer in last.inputs[3]:  # each part over its member's own storage, no other's
         assert [p.keys.data_ptr() for p in layer.parts] == [
             g.stores[layer.layer][0].data_ptr() for g in last.members]
-    if triton:  # the anchor kept, and each row's offsets from it to its member's storage
+    if backend.kernels is not None:  # the anchor kept, each row's offset from it to its
+        # member's storage
         assert last.anchor is made[1][0] and list(map(id, last.members)) != list(map(id, made[1]))
         base = last.anchor.stores[0][1]
         assert last.apart[0, 1].tolist() == [
@@ -1042,11 +1043,11 @@ def test_sets_of_one_size_rebind_a_batch_graph_not_make_another(tmp_path, monkey
         last.inputs[3][0].one_launch = False  # as if it had attended a part at a time
     else:
         assert last.anchor is last.members[0] and last.apart is None
-    last.graph = object()  # captured: rebinding would leave it reading the old storage
-    try:
+    captured, last.graph = last.graph, last.graph or object()  # (CPU: as if captured)
+    try:  # rebinding would leave the captured launches reading the old members' storage
         assert not graphs._rebind(last, tuple(reversed(last.members)))
     finally:
-        last.graph = None
+        last.graph = captured
     assert {id(g.owner()) for g in last.members} == owners
 
 
