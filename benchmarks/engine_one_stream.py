@@ -13,7 +13,8 @@ rounds the same N prompts through each way, their tokens compared with the eager
 
 ``--churn K``: K x N requests kept N at a time, each that ends replaced by the next, of
 spread lengths (tokens/s in all, prompts included, and the CUDA graph captures the runs
-made: a batch graph is captured for each new set of sequences decoding together).
+made: a set of sequences decoding together with no batch graph takes over an idle one of
+its size, or a new one is captured).
 
 Where the backend has no graphs (the CPU backend) both runs are the same path. Each request
 has its own prompt (no prefix reuse between runs).

@@ -77,6 +77,14 @@ def _tiny_net(tmp_path, qtype, backend, window: int = 0, small: bool = False,
     return net
 
 
+def _assert_same_books(caches, expected) -> None:
+    """Each cache's layers hold the books of its counterpart's (offset, slot positions)."""
+    for c, e in zip(caches, expected, strict=True):
+        for layer, layer_e in zip(c.layers, e.layers, strict=True):
+            assert layer.offset == layer_e.offset
+            assert np.array_equal(layer.slot_pos, layer_e.slot_pos)
+
+
 def _decode(net, cache, tokens):
     return np.stack([net.forward(np.array([t]), cache)[0] for t in tokens])
 
@@ -871,15 +879,9 @@ def test_decode_batches_replay_one_graph_of_their_set(tmp_path, monkeypatch, tri
                 np.testing.assert_allclose(g[j], e[j], rtol=1e-4, atol=1e-4)
                 assert int(g[j].argmax()) == int(e[j].argmax())
 
-    def same_books(caches, expected):
-        for c, e in zip(caches, expected, strict=True):
-            for layer, layer_e in zip(c.layers, e.layers, strict=True):
-                assert layer.offset == layer_e.offset
-                assert np.array_equal(layer.slot_pos, layer_e.slot_pos)
-
     (got, caches, tokens), (eager, eager_caches, eager_tokens) = run(True), run(False)
     same(got, eager)
-    same_books(caches, eager_caches)
+    _assert_same_books(caches, eager_caches)
     assert singles == caches  # (their prompts only)
     # the GPU path's kernels: a layer's rows in one launch, each over its own cache
     assert any(apart) == (backend.kernels is not None)
@@ -906,7 +908,7 @@ def test_decode_batches_replay_one_graph_of_their_set(tmp_path, monkeypatch, tri
     expected = steps(eager_caches, eager_tokens, more)
     backend.graphs = graphs
     same(got, expected)
-    same_books(caches, eager_caches)
+    _assert_same_books(caches, eager_caches)
     (again,) = batches.values()
     assert again is not last and caches[0] in [g.owner() for g in again.members]
 
@@ -1020,10 +1022,7 @@ def test_sets_of_one_size_rebind_a_batch_graph_not_make_another(tmp_path, monkey
         for g, e in zip(step, expected, strict=True):
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
             assert int(g.argmax()) == int(e.argmax())
-    for c, e in zip(caches, eager_caches, strict=True):
-        for layer, layer_e in zip(c.layers, e.layers, strict=True):
-            assert layer.offset == layer_e.offset
-            assert np.array_equal(layer.slot_pos, layer_e.slot_pos)
+    _assert_same_books(caches, eager_caches)
     assert len(made) == 2  # the first step's two sets; every pair after rebound one
     batches = graphs._batches[id(net)]
     assert len(batches) == 2 and all(b.unread == 0 for b in batches.values())

@@ -54,7 +54,8 @@ graph), not each its own: their tokens go
 through the mat-vecs as one batch of 2..8 rows, so each weight is read once a step for all of them
 (the kernels' arithmetic is per token: each sequence's logits are those of its own step
 alone), and each sequence attends over its own cache's storage, which the set's caches'
-graphs hold (so a batch graph adds no KV memory; it is dropped with any of them). A set is
+graphs hold (so a batch graph adds no KV memory; it is dropped with any of them, and with
+its anchor's, below). A set is
 captured at its first step; an engine's slots keep their caches, so a set of users decoding
 together replays the same graph until one of them is done. Then (requests come and go)
 another set of that size and layout takes over an idle batch graph rather than capture
@@ -936,8 +937,9 @@ class StepGraphs:
         return g
 
     def _batch_for(self, model, members: tuple[_Graph, ...]) -> _Bucket:
-        """The batch graph of these caches' graphs (made at the set's first step; the
-        least recently used goes past MAX_BATCH_GRAPHS_PER_MODEL)."""
+        """The batch graph of these caches' graphs (at the set's first step another's taken
+        over, ``_taken_over``, or made; the least recently used goes past
+        MAX_BATCH_GRAPHS_PER_MODEL)."""
         batches = self._batches.setdefault(id(model), {})
         key = tuple(id(g) for g in members)  # (members hold their graphs: no id reused)
         b = (batches.pop(key, None) or self._taken_over(batches, members)
@@ -976,10 +978,15 @@ class StepGraphs:
         elif b.graph is not None:
             return False
         else:
-            b.anchor, table = members[0], self._offset_table(members[0], members)
-            b.apart = None if table is None else table.to(self.backend.device)
+            self._anchor(b, members)
         self._bind(b, members)
         return True
+
+    def _anchor(self, b: _Bucket, members: tuple[_Graph, ...]) -> None:
+        """The first member b's anchor, and b.apart a new table of offsets from it (None
+        where the kernels cannot take them)."""
+        b.anchor, table = members[0], self._offset_table(members[0], members)
+        b.apart = None if table is None else table.to(self.backend.device)
 
     def _bind(self, b: _Bucket, members: tuple[_Graph, ...]) -> None:
         """b's layers attend over the members' storage (at b.apart's offsets from b's
@@ -1027,10 +1034,9 @@ class StepGraphs:
             total += n * group.slots
         b = _Bucket(n, *self._step_buffers(("batch", lead.signature, n),
                                            _batch_index(n, len(groups), "end"), total),
-                    spans, members=members, anchor=lead)
+                    spans, members=members)
         b.inputs = self._batch_inputs(b)
-        table = self._offset_table(lead, members)
-        b.apart = None if table is None else table.to(self.backend.device)
+        self._anchor(b, members)
         self._bind(b, members)
         return b
 
