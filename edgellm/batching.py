@@ -14,17 +14,17 @@ the whole KV budget is ``len(slots)`` caches, known before the first request. A 
    penalties' history), detokenizes, matches stop strings and emits a ``TokenEvent``.
 
 A sequence decoding alone, on a backend that picks tokens on the device (CUDA graphs:
-``Model.sampled_tokens``), takes its tokens from there instead (``Scheduler._stream_step``):
-each step is queued before the token of the one before is read back, so the host's work for
-a token (the books, detokenizing, the event) overlaps the GPU's step, and no logits come
-back. It needs a chain the device draws (greedy, or top-k/top-p/min-p/temperature without
-penalties or bias) and no logprobs. A step with anything else to do (a new request, a
-cancel, the end) closes the stream first, which takes the step it ran ahead back out of
-the cache. Several sequences decoding, and nothing else to do, take their tokens from one
-stream of the set the same way (``Model.sampled_batch_tokens``;
-``Scheduler._set_stream_step``): one batch step on the device for all of them, each token
-drawn by its own chain and generator, no logits coming back, the next step queued ahead;
-any change to the set closes it.
+``Model.sampled_tokens``), takes its tokens from there instead
+(``Scheduler._stream_step``): each step is queued before the token of the one before is
+read back, so the host's work for a token (the books, detokenizing, the event) overlaps the
+GPU's step, and no logits come back. It needs a chain the device draws (greedy, or
+top-k/top-p/min-p/temperature, with logit bias and penalties over a window of up to 64
+tokens) and no logprobs. A step with anything else to do (a new request, a cancel, the end)
+closes the stream first, which takes the step it ran ahead back out of the cache. Several
+sequences decoding, and nothing else to do, take their tokens from one stream of the set
+the same way (``Model.sampled_batch_tokens``; ``Scheduler._set_stream_step``): one batch
+step on the device for all of them, each token drawn by its own chain and generator, no
+logits coming back, the next step queued ahead; any change to the set closes it.
 
 A finished sequence's slot keeps what its cache holds (prompt and reply) for prefix reuse
 until another request needs the slot (least recently used first).
@@ -344,7 +344,8 @@ class Scheduler:
                 # a copy of the generator: the stream draws the uniform of the step it runs
                 # ahead, which the host's generator must not lose when the stream is closed
                 seq.stream = open_stream(seq.pending, seq.slot.cache, seq.params,
-                                         copy.deepcopy(seq.rng), evict=False)
+                                         copy.deepcopy(seq.rng), evict=False,
+                                         context=seq.prompt + seq.generated)
                 if seq.stream is None:
                     return None
             token = next(seq.stream)
@@ -383,7 +384,8 @@ class Scheduler:
                 return None
             try:  # (it draws with copies of the generators, as a lone stream does)
                 tokens = open_stream([(s.pending, s.slot.cache) for s in seqs],
-                                     [s.params for s in seqs], [s.rng for s in seqs])
+                                     [s.params for s in seqs], [s.rng for s in seqs],
+                                     [s.prompt + s.generated for s in seqs])
             except Exception as exc:  # noqa: BLE001 - as a failed forward pass: end these
                 return self._fail_all(seqs, exc)
             if tokens is None:

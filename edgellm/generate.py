@@ -120,7 +120,7 @@ def generate_step(
         yield token, logits
         context.append(token)
         if on_device is None and hasattr(net, "sampled_tokens"):
-            on_device = net.sampled_tokens(token, cache, params, rng) or False
+            on_device = net.sampled_tokens(token, cache, params, rng, context=context) or False
             if on_device:
                 with closing(on_device) as tokens:
                     for token in tokens:

@@ -621,12 +621,14 @@ def test_stream_generate_greedy_uses_device_argmax(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("window", [0, 5])
 def test_sampled_tokens_on_the_device_equal_host_sampling(tmp_path, monkeypatch, window):
-    """A sampled reply whose chain the device can draw (top-k up to its candidates, no
-    penalties or bias) takes its tokens from Model.sampled_tokens after the first: the
+    """A sampled reply whose chain the device can draw (top-k up to its candidates,
+    penalties over up to PENALTY_WINDOW tokens, up to SAMPLE_BIASES biases; greedy with
+    penalties or bias too) takes its tokens from Model.sampled_tokens after the first: the
     tokens the host's sampler draws, seed for seed (one uniform a token from the same
     generator), for several chains, and the cache where the host path leaves it once
-    closed (the step run ahead taken back out). A chain the device cannot draw (top-k off,
-    a penalty) samples on the host."""
+    closed (the step run ahead taken back out). The penalties change the tokens. A chain
+    the device cannot draw (top-k off or past the candidates, a longer window or the
+    whole history, too many biases) samples on the host."""
     from edgellm.generate import generate_step
     from edgellm.quants import Q
     from edgellm.sampling import SamplingParams
@@ -636,8 +638,8 @@ def test_sampled_tokens_on_the_device_equal_host_sampling(tmp_path, monkeypatch,
     graphs = backend.graphs
     drawn_on_device = []  # (params, whether graphs.sample took them) per reply
 
-    def spy(model, token, cache, params, rng, evict=True):
-        steps = real(model, token, cache, params, rng, evict)
+    def spy(model, token, cache, params, rng, evict=True, context=None):
+        steps = real(model, token, cache, params, rng, evict, context)
         drawn_on_device.append((params, steps is not None))
         return steps
 
@@ -647,6 +649,15 @@ def test_sampled_tokens_on_the_device_equal_host_sampling(tmp_path, monkeypatch,
                                                      top_p=1.0, min_p=0.0),
               SamplingParams(seed=3, temperature=0.7, top_k=5, top_p=0.5, min_p=0.1),
               SamplingParams(seed=4, top_k=1)]
+    penalised = [SamplingParams(temperature=0, repetition_penalty=1.5, penalty_last_n=3),
+                 SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=0.5,
+                                logit_bias={7: 3.0, 299: -100.0}),
+                 SamplingParams(seed=1, repetition_penalty=0.8, frequency_penalty=-0.4,
+                                penalty_last_n=1),
+                 SamplingParams(seed=1, presence_penalty=1.5, logit_bias={44: 2.5}),
+                 SamplingParams(seed=2, top_k=64, repetition_penalty=1.3, penalty_last_n=64,
+                                logit_bias={t: 0.5 for t in range(128)})]
+    chains += penalised
     replies = []
     for params in chains + [SamplingParams(temperature=0)]:
         out = []
@@ -663,8 +674,12 @@ def test_sampled_tokens_on_the_device_equal_host_sampling(tmp_path, monkeypatch,
         replies.append(device)
     assert drawn_on_device == [(params, True) for params in chains]
     assert replies[0] != replies[-1]  # (the default chain's draws are not the argmax's)
+    # (the penalties and biases change what is drawn: greedy's tokens, seed 1's draws)
+    assert replies[-1] not in replies[-6:-4] and replies[0] not in replies[-4:-2]
     host_only = [SamplingParams(seed=1, top_k=0), SamplingParams(seed=1, top_k=65),
-                 SamplingParams(seed=1, repetition_penalty=1.1)]
+                 SamplingParams(seed=1, repetition_penalty=1.1, penalty_last_n=-1),
+                 SamplingParams(seed=1, repetition_penalty=1.1, penalty_last_n=65),
+                 SamplingParams(seed=1, logit_bias={t: 0.5 for t in range(129)})]
     for params in host_only:
         steps = generate_step([1, 5, 9, 200], net, net.make_cache(64), params)
         [next(steps) for _ in range(3)]
@@ -1104,6 +1119,55 @@ def test_device_draw_equals_the_host_draw():
     assert graphs_module._sample(logits, greedy)[1].tolist() == logits.numpy().argmax(1).tolist()
 
 
+def test_device_penalties_equal_the_hosts_bit_for_bit():
+    """graphs._processed (logit bias, then repetition, frequency and presence penalties
+    over the window) gives the logits ``sampling.logits_processor`` gives, bit for bit, on
+    logits with zeros of either sign, repeated tokens, windows of 1..64 shorter and longer
+    than the history, the window's last token read on the device (the host has not read
+    it: ``chained``) or known, ids past the vocabulary in the history (the host skips
+    them), and rows without any (a batch's argmax rows): over each row alone and all at
+    once."""
+    from edgellm.backends.torch import graphs as graphs_module
+    from edgellm.sampling import SamplingParams, logits_processor
+
+    rng = np.random.default_rng(0)
+    vocab, w = 1000, graphs_module.PENALTY_WINDOW
+    widths = (w - 1 + graphs_module.SAMPLE_BIASES, w + graphs_module.SAMPLE_BIASES + 3)
+    rows = []  # (logits, input token, ints, floats, the host's logits)
+    for trial in range(200):
+        logits = (rng.normal(size=vocab) * rng.choice([0.3, 2.0, 8.0])).astype(np.float32)
+        logits[rng.integers(0, vocab, 5)], logits[rng.integers(0, vocab, 3)] = 0.0, -0.0
+        context = [int(t) for t in rng.integers(0, 40, size=int(rng.integers(1, 100)))]
+        if trial % 10 == 0:
+            context[0] = vocab + 5  # (a tokenizer's id past the logits)
+        bias = {int(t): float(rng.normal() * 5) for t in rng.integers(0, vocab, 4)}
+        params = SamplingParams(
+            repetition_penalty=float(rng.choice([1.0, 1.1, 0.7, 1.3])),
+            frequency_penalty=float(rng.choice([0.0, 0.5, -0.3])),
+            presence_penalty=float(rng.choice([0.0, 0.2, 1.1])),
+            penalty_last_n=int(rng.choice([1, 2, 5, 64])),
+            logit_bias=bias if trial % 3 else {})
+        chained = trial % 2 == 1
+        draw = graphs_module._Draw(params, np.random.default_rng(0),
+                                   context[:-1] if chained else context)
+        ints, floats = np.zeros(widths[0], np.int64), np.zeros(widths[1], np.float32)
+        if draw.processes:
+            draw.processing(chained, vocab, ints, floats)
+        else:  # (as ``_fill_processing`` fills a row that changes nothing)
+            floats[-3] = 1.0
+        host = logits_processor(params)(logits.copy(), context)
+        got = graphs_module._processed(torch.from_numpy(logits)[None],
+                                       torch.tensor([context[-1]]),
+                                       torch.from_numpy(ints)[None],
+                                       torch.from_numpy(floats)[None])[0].numpy()
+        assert np.array_equal(got, host), trial
+        rows.append((logits, context[-1], ints, floats, host))
+    stacked = [torch.from_numpy(np.stack(column)) for column in zip(*rows, strict=True)]
+    got = graphs_module._processed(*stacked[:4])
+    assert np.array_equal(got.numpy(), stacked[4].numpy())
+    assert sum(not np.array_equal(r[0], r[4]) for r in rows) > 150  # (they do change)
+
+
 @pytest.mark.parametrize("gemm", ["dequantize", "fused", "tuned"],
                          ids=["dequantize-gemm", "fused-gemm", "tuned"])
 def test_triton_path_follows_cpu_torch(tmp_path, monkeypatch, gemm):
@@ -1177,7 +1241,8 @@ def test_engine_streams_a_lone_sequence_from_the_device(tmp_path, monkeypatch):
     the stream, which takes the step run ahead back out of the cache (a slot's ids stay
     its cache's contents), and every request's tokens are still its tokens alone; so are
     the host generator's draws after a stream (a lost uniform would change the joined
-    run's tokens). Logprobs and penalties sample on the host."""
+    run's tokens). Penalties over the device's window stream too; over the whole history,
+    and logprobs, sample on the host."""
     from edgellm.engine import Engine, Request
     from edgellm.sampling import SamplingParams
 
@@ -1186,8 +1251,8 @@ def test_engine_streams_a_lone_sequence_from_the_device(tmp_path, monkeypatch):
     opened = []  # the params of each stream opened
     real = model.net.sampled_tokens
 
-    def spy(token, cache, params, rng, *, evict=True):
-        stream = real(token, cache, params, rng, evict=evict)
+    def spy(token, cache, params, rng, *, evict=True, context=None):
+        stream = real(token, cache, params, rng, evict=evict, context=context)
         opened.append((params, stream is not None))
         return stream
 
@@ -1196,7 +1261,9 @@ def test_engine_streams_a_lone_sequence_from_the_device(tmp_path, monkeypatch):
     sampled = SamplingParams(seed=5, top_k=40, max_tokens=14, ignore_eos=True)
     penalised = SamplingParams(seed=6, top_k=40, repetition_penalty=1.3, max_tokens=6,
                                ignore_eos=True)
-    prompts = [[1, 40, 41, 42, 43], [1, 50, 60, 70], [1, 99, 98]]
+    whole = SamplingParams(seed=6, top_k=40, repetition_penalty=1.3, penalty_last_n=-1,
+                           max_tokens=6, ignore_eos=True)  # (the whole history: the host)
+    prompts = [[1, 40, 41, 42, 43], [1, 50, 60, 70], [1, 99, 98], [1, 99, 98]]
 
     def serve(requests, use_graphs: bool, join_at=None, cancel_at=None):
         """Each request's (tokens, finish reason); ``join_at``: the second is submitted
@@ -1224,12 +1291,12 @@ def test_engine_streams_a_lone_sequence_from_the_device(tmp_path, monkeypatch):
             model.backend.graphs = graphs
 
     alone = {}
-    for params, prompt in zip((greedy, sampled, penalised), prompts, strict=True):
+    for params, prompt in zip((greedy, sampled, penalised, whole), prompts, strict=True):
         request = Request(prompt, params)
         alone[id(params)] = serve([request], False)[0]
         opened.clear()
         assert serve([request], True)[0] == alone[id(params)]
-        assert (opened[:1] == [(params, True)]) == (params is not penalised)
+        assert opened[:1] == [(params, params is not whole)]
     assert alone[id(greedy)][0] != alone[id(sampled)][0][:10]
 
     # a second request joins the first's stream (they decode together: one graph of the
@@ -1258,7 +1325,8 @@ def test_engine_draws_concurrent_sequences_tokens_on_the_device(tmp_path, monkey
     off), no decode step bringing logits to the host. A request joining the set and a
     cancel close the stream, which takes the step run ahead back out of every member's
     cache (a slot's ids stay its cache's contents, bar that step), and every request's
-    tokens are still its own. A penalised request among them sends their steps to the
+    tokens are still its own. A penalised request among them draws on the device too, bar
+    one whose penalties look back over its whole history, which sends their steps to the
     host's samplers. A sequence whose logits go NaN ends in an error that says so; the
     others go on."""
     from edgellm.sampling import SamplingParams
@@ -1296,7 +1364,9 @@ def test_engine_draws_concurrent_sequences_tokens_on_the_device(tmp_path, monkey
     warm = SamplingParams(seed=9, temperature=1.3, top_k=60, top_p=0.8, min_p=0.0,
                           max_tokens=8, ignore_eos=True)
     penalised = SamplingParams(seed=6, top_k=40, repetition_penalty=1.3, max_tokens=6,
-                               ignore_eos=True)
+                               ignore_eos=True, logit_bias={50: 1.5})
+    whole = SamplingParams(seed=6, top_k=40, repetition_penalty=1.3, penalty_last_n=-1,
+                           max_tokens=6, ignore_eos=True)
     prompts = [[1, 40, 41, 42, 43], [1, 50, 60, 70], [1, 99, 98]]
 
     def serve(params, use_graphs: bool, first: int = 0, join_at=None, cancel_at=None):
@@ -1319,6 +1389,10 @@ def test_engine_draws_concurrent_sequences_tokens_on_the_device(tmp_path, monkey
     opened.clear()
     mixed = serve([greedy, penalised], True)
     assert mixed == [alone[0], serve([penalised], False, first=1)[0]]
+    assert opened and all(s is not None for s in opened)  # (drawn on the device)
+    opened.clear()
+    mixed = serve([greedy, whole], True)
+    assert mixed == [alone[0], serve([whole], False, first=1)[0]]
     assert opened and all(s is None for s in opened)  # (the host's samplers)
     nan_at.append(2)
     faulted = serve(chains, True)

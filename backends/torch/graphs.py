@@ -45,7 +45,9 @@ this step's token is read back (one step ahead), so the host's work for a step (
 the copies, the replay's launch) overlaps the GPU's work on the step before. Sampled
 decoding (``sample``) runs the same way, with a small graph of its own after each step's
 that draws the token from the 64 largest logits (``_sample``), a uniform from the host's
-generator a step.
+generator a step, after the logit bias and the penalties where a chain has them
+(``_processed``, in a second such graph: the window's tokens from the host, but its last,
+the step's input, which the host may not have read yet, on the device).
 
 Several caches decoding together (an engine's concurrent users: ``Model.forward_batch``)
 replay one graph of their set (``queue_batch``; up to 8 a graph, more in several sets:
@@ -250,6 +252,7 @@ class _HostSet:
     done: torch.cuda.Event | None = None  # recorded after a step from this set and its
     # read-backs are queued (on a GPU; ``_mark_done``): the set is refilled only after it
     knobs: torch.Tensor | None = None  # (5,) float64: a sampled step's (``_sample``)
+    processing: tuple | None = None  # (ints, floats): its rows of ``_processed``'s inputs
 
 
 @dataclass
@@ -271,8 +274,12 @@ class _Bucket:
     host_logits: torch.Tensor | None = None  # pinned copy of the logits
     spare: _HostSet | None = None  # the other set of greedy steps' double buffering
     dev_knobs: torch.Tensor | None = None  # (5,) float64: ``_sample``'s knobs
-    sampler: torch.cuda.CUDAGraph | None = None  # ``_sample`` over the step's logits
-    sampler_eager: bool = False  # its capture failed: ``_sample`` runs eagerly
+    dev_processing: tuple | None = None  # ``_processed``'s (ints, floats) (rows, ...)
+    # ``_sample`` over the step's logits as graphs, by whether ``_processed`` runs first;
+    # those whose capture failed (they run eagerly)
+    samplers: dict = field(default_factory=dict)
+    samplers_eager: set = field(default_factory=set)
+    draw_out: tuple | None = None  # the samplers' outputs (made once: both graphs write them)
     sampled: tuple | None = None  # (the maximum logit (1,), the drawn token (1,))
     members: tuple = ()  # a batch graph's (``queue_batch``): each sequence's cache's _Graph,
     # whose storage its rows attend over; empty for a bucket of one cache's steps
@@ -469,7 +476,8 @@ class StepGraphs:
         return waits
 
     def batch_stream(self, model, tokens: list[np.ndarray], caches: list[KVCache],
-                     params: list, rngs: list[np.random.Generator]
+                     params: list, rngs: list[np.random.Generator],
+                     contexts: list[list[int]] | None = None
                      ) -> Iterator[list[tuple[int, float]]] | None:
         """Decode steps of several caches as the batch graphs of their sets (``cache_sets``:
         one graph for up to 8, ``queue_batch``), each sequence's next token drawn on the
@@ -482,10 +490,11 @@ class StepGraphs:
         until the generator is closed, which waits for that step and trims it from each
         (where one cannot trim, or has no room for it, the step is not run ahead). Copies
         of the generators in ``rngs`` draw each step's uniforms when it is queued, the step
-        ahead's included: the caller advances its own one a token taken. None, with nothing
-        run or drawn, where a chain needs the host (``samplable``), the sets do not hold
-        every cache, or a set cannot step as one batch graph."""
-        draws = _draws(params, rngs, model.args.vocab_size)
+        ahead's included: the caller advances its own one a token taken. ``contexts``: each
+        sequence's tokens so far, its token last, for the penalties (as ``sample``'s).
+        None, with nothing run or drawn, where a chain needs the host (``samplable``), the
+        sets do not hold every cache, or a set cannot step as one batch graph."""
+        draws = _draws(params, rngs, model.args.vocab_size, contexts)
         sets = cache_sets(caches)
         if draws is None or sum(map(len, sets)) < len(caches):
             return None
@@ -504,6 +513,9 @@ class StepGraphs:
                 by_sequence = {j: row for s, step in zip(sets, current, strict=True)
                                for j, row in zip(s, step(), strict=True)}
                 rows = [by_sequence[j] for j in range(len(caches))]
+                for draw, (token, _) in zip(draws, rows, strict=True):
+                    if draw is not None:
+                        draw.taken(token)
                 yield rows
                 if ahead is None:
                     ahead = self._queue_sets(model, sets, [np.array([t]) for t, _ in rows],
@@ -577,7 +589,7 @@ class StepGraphs:
             b.dev_i64[:n].copy_(after.drawn_in(order))
         self._replay(model, b)
         if draws is not None:
-            self._sample_after(b, [draws[j] for j in order])
+            self._sample_after(b, [draws[j] for j in order], after is not None)
             self._queue_read_back(b.host, *b.sampled)
             read = functools.partial(self._read_rows, b.host)
         else:
@@ -660,20 +672,23 @@ class StepGraphs:
         return self._decode_steps(model, g, token, cache)
 
     def sample(self, model, token: int, cache: KVCache, params, rng: np.random.Generator,
-               evict: bool = True) -> Iterator[tuple[int, float]] | None:
-        """Decoding after ``token`` with ``params``' chain drawn on the device (``_sample``:
-        top-k, top-p, min-p, temperature, the draw), one uniform of ``rng`` a step drawn on
-        the host as ``make_sampler`` draws it: yields each step's token and the logits'
-        maximum (NaN or inf: a fault), for ever, run one step ahead as ``greedy``'s; None
-        when the cache cannot run as graphs or the chain needs the host (``samplable``).
-        A step's uniform is drawn when it is queued, the step ahead's included: a closed
-        generator has taken one more from ``rng`` than it yielded tokens. ``evict``: as
-        ``forward``'s."""
-        samples = samplable(params, model.args.vocab_size)
+               evict: bool = True, context: list[int] | None = None
+               ) -> Iterator[tuple[int, float]] | None:
+        """Decoding after ``token`` with ``params``' chain drawn on the device (``_processed``:
+        logit bias and penalties, then ``_sample``: top-k, top-p, min-p, temperature, the
+        draw), one uniform of ``rng`` a step drawn on the host as ``make_sampler`` draws it:
+        yields each step's token and the logits' maximum (NaN or inf: a fault), for ever,
+        run one step ahead as ``greedy``'s; None when the cache cannot run as graphs or the
+        chain needs the host (``samplable``). ``context``: the tokens so far, ``token``
+        last, which the penalties look back over (None: a chain with penalties samples on
+        the host). A step's uniform is drawn when it is queued, the step ahead's included:
+        a closed generator has taken one more from ``rng`` than it yielded tokens.
+        ``evict``: as ``forward``'s."""
+        samples = samplable(params, model.args.vocab_size, context is not None)
         g = self._graph_for(model, cache, evict) if samples else None
         if g is None:
             return None
-        return self._decode_steps(model, g, token, cache, _Draw(params, rng))
+        return self._decode_steps(model, g, token, cache, _Draw(params, rng, context))
 
     def _decode_steps(self, model, g: _Graph, token: int, cache: KVCache,
                       draw: _Draw | None = None):
@@ -687,6 +702,8 @@ class StepGraphs:
                 if cache.fits(2) and cache.max_trim() >= 1:
                     ahead = self._queue_decode(model, g, cache, None, draw)
                 token, logit = self._read_back(current)
+                if draw is not None:
+                    draw.taken(token)
                 yield token, logit
                 if ahead is None:
                     ahead = self._queue_decode(model, g, cache, np.array([token]), draw)
@@ -767,7 +784,7 @@ class StepGraphs:
             b.inputs = self._inputs(g, b)
         self._replay(model, b)
         if draw is not None:
-            self._sample_after(b, [draw])
+            self._sample_after(b, [draw], from_device)
         return b
 
     def _replay(self, model, b: _Bucket) -> None:
@@ -792,38 +809,76 @@ class StepGraphs:
             if not b.members:
                 b.best_logit, b.best_id = _greedy(b.logits)
 
-    def _sample_after(self, b: _Bucket, draws: list[_Draw | None]) -> None:
+    def _sample_after(self, b: _Bucket, draws: list[_Draw | None], chained: bool) -> None:
         """Queue ``_sample`` over b's logits, a row a draw (None: the argmax), with this
-        step's knobs (copied from its host set), as a graph of its own where the step's is
-        one (captured at its first use)."""
-        host = b.host
+        step's knobs (copied from its host set), after ``_processed`` where a draw has bias
+        or penalties (``chained``: the step's tokens are the draws of the step before), as
+        a graph of its own where the step's is one (captured at its first use)."""
+        host, rows = b.host, len(draws)
         if host.knobs is None:
-            host.knobs = torch.empty((len(draws), 5), dtype=torch.float64,
-                                     pin_memory=self.capture)
+            host.knobs = torch.empty((rows, 5), dtype=torch.float64, pin_memory=self.capture)
         host.knobs.numpy()[:] = [GREEDY_KNOBS if d is None else d.knobs() for d in draws]
         if b.dev_knobs is None:
-            b.dev_knobs = torch.empty((len(draws), 5), dtype=torch.float64,
+            b.dev_knobs = torch.empty((rows, 5), dtype=torch.float64,
                                       device=self.backend.device)
         b.dev_knobs.copy_(host.knobs, non_blocking=True)
-        if b.sampler is not None:
-            b.sampler.replay()
-        elif b.graph is None or b.sampler_eager:  # (eager steps: new logits each time)
-            b.sampled = _sample(b.logits, b.dev_knobs)
+        processes = any(d is not None and d.processes for d in draws)
+        if processes:
+            self._fill_processing(b, draws, chained)
+        sampler = b.samplers.get(processes)
+        if sampler is not None:
+            sampler.replay()
+            b.sampled = b.draw_out
+        elif b.graph is None or processes in b.samplers_eager:  # (eager: new logits each time)
+            b.sampled = self._draw(b, processes)
         else:
             try:
-                b.sampler = self._capture_sampler(b)
-                b.sampler.replay()
+                b.samplers[processes] = self._capture_sampler(b, processes)
+                b.samplers[processes].replay()
             except RuntimeError as exc:
                 log.warning("CUDA graph capture of the sampler failed (%s); drawing eagerly",
                             exc)
-                b.sampler, b.sampler_eager = None, True
-                b.sampled = _sample(b.logits, b.dev_knobs)
+                b.samplers.pop(processes, None)
+                b.samplers_eager.add(processes)
+                b.sampled = self._draw(b, processes)
 
-    def _capture_sampler(self, b: _Bucket) -> torch.cuda.CUDAGraph:
-        """``_sample`` over b's (static) logits and knobs as a graph, after a warm-up."""
-        b.sampled = self._outputs(b.logits.shape[0])
-        graph, _ = self._record(lambda: _sample(b.logits, b.dev_knobs),
-                                lambda: _sample(b.logits, b.dev_knobs, out=b.sampled))
+    def _fill_processing(self, b: _Bucket, draws: list[_Draw | None], chained: bool) -> None:
+        """Each row's ``_processed`` inputs into b's host set and, stream-ordered, its
+        device buffers (a row without bias or penalties changes nothing)."""
+        host, rows = b.host, len(draws)
+        widths = (PENALTY_WINDOW - 1 + SAMPLE_BIASES, PENALTY_WINDOW + SAMPLE_BIASES + 3)
+        if host.processing is None:
+            host.processing = tuple(
+                torch.empty((rows, n), dtype=dtype, pin_memory=self.capture)
+                for n, dtype in zip(widths, (torch.int64, torch.float32), strict=True))
+        ints, floats = (t.numpy() for t in host.processing)
+        vocab = b.logits.shape[-1]
+        for row, d in enumerate(draws):
+            if d is not None and d.processes:
+                d.processing(chained, vocab, ints[row], floats[row])
+            else:  # (nothing added, no token counted, penalties off)
+                ints[row], floats[row], floats[row, -3] = 0, 0.0, 1.0
+        if b.dev_processing is None:
+            b.dev_processing = tuple(torch.empty_like(t, device=self.backend.device)
+                                     for t in host.processing)
+        for dev, pinned in zip(b.dev_processing, host.processing, strict=True):
+            dev.copy_(pinned, non_blocking=True)
+
+    def _draw(self, b: _Bucket, processes: bool, out: tuple | None = None) -> tuple:
+        """``_sample`` over b's logits (after ``_processed``: ``processes``) and knobs."""
+        logits = b.logits
+        if processes:  # (the window's last token: each row's input, this step's own)
+            logits = _processed(logits, b.dev_i64[:logits.shape[0]], *b.dev_processing)
+        return _sample(logits, b.dev_knobs, out=out)
+
+    def _capture_sampler(self, b: _Bucket, processes: bool) -> torch.cuda.CUDAGraph:
+        """``_draw`` over b's (static) logits and inputs as a graph, after a warm-up, into
+        b's draw outputs (one pair, which every sampler graph of b writes)."""
+        if b.draw_out is None:
+            b.draw_out = self._outputs(b.logits.shape[0])
+        b.sampled = b.draw_out
+        graph, _ = self._record(lambda: self._draw(b, processes),
+                                lambda: self._draw(b, processes, out=b.draw_out))
         return graph
 
     def _outputs(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1285,37 +1340,103 @@ def _step(model, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor 
 
 #: the most logits ``_sample`` draws among (a top-k above it samples on the host)
 SAMPLE_CANDIDATES = 64
+#: the most recent tokens a chain's penalties look back over on the device
+#: (``penalty_last_n`` 1..this; llama.cpp's default and edgellm's is 64; a longer window,
+#: or the whole history, samples on the host)
+PENALTY_WINDOW = 64
+#: the most logit_bias entries the device adds (more sample on the host)
+SAMPLE_BIASES = 128
 
 
-def samplable(params, vocab: int) -> bool:
-    """Can ``_sample`` draw params' tokens? Top-k of 1..SAMPLE_CANDIDATES (below the
-    vocabulary), no penalties or logit bias (those need the history on the host), not
-    greedy (the argmax is ``_greedy``'s)."""
-    return (not params.greedy and not params.penalizes and not params.logit_bias
-            and 0 < params.top_k <= min(SAMPLE_CANDIDATES, vocab - 1))
+def samplable(params, vocab: int, history: bool = True) -> bool:
+    """Can the device draw params' tokens after ``_processed`` (logit bias, penalties over
+    the last PENALTY_WINDOW tokens at most; ``history`` False: the caller gave none, so
+    no penalties) and ``_sample`` (top-k of 1..SAMPLE_CANDIDATES, below the vocabulary, or
+    greedy over processed logits)? Not where only the argmax is wanted (``argmax_only``:
+    ``_greedy``'s, in the step's own graph)."""
+    window = not params.penalizes or (history and 0 < params.penalty_last_n <= PENALTY_WINDOW)
+    bias = len(params.logit_bias) <= SAMPLE_BIASES and all(
+        0 <= token < vocab for token in params.logit_bias)
+    chain = params.greedy or 0 < params.top_k <= min(SAMPLE_CANDIDATES, vocab - 1)
+    return not params.argmax_only and window and bias and chain
 
 
-def _draws(params: list, rngs: list[np.random.Generator], vocab: int) -> list | None:
+def _draws(params: list, rngs: list[np.random.Generator], vocab: int,
+           contexts: list | None = None) -> list | None:
     """A sequence's ``_Draw`` with a copy of its generator (None: its argmax) for each of
-    ``params``, or None where a chain needs the host (``samplable``)."""
-    if not all(p.argmax_only or samplable(p, vocab) for p in params):
+    ``params`` (``contexts``: each one's tokens so far, its next input last, for the
+    penalties), or None where a chain needs the host (``samplable``)."""
+    if not all(p.argmax_only or samplable(p, vocab, contexts is not None) for p in params):
         return None
-    return [None if p.argmax_only else _Draw(p, copy.deepcopy(rng))
-            for p, rng in zip(params, rngs, strict=True)]
+    contexts = contexts or [None] * len(params)
+    return [None if p.argmax_only else _Draw(p, copy.deepcopy(rng), context)
+            for p, rng, context in zip(params, rngs, contexts, strict=True)]
 
 
 class _Draw:
     """A sampled decode's knobs and generator: each step's (temperature, top-p (2: off),
-    min-p, a uniform of the generator, top-k) for ``_sample``."""
+    min-p, a uniform of the generator, top-k) for ``_sample``, and (``processes``: logit
+    bias or penalties) its row of ``_processed``'s inputs, from the tokens so far
+    (``context``, which the decode loop extends with each token it reads back)."""
 
-    def __init__(self, params, rng: np.random.Generator):
+    def __init__(self, params, rng: np.random.Generator, context=None):
         self.params, self.rng = params, rng
+        self.context = list(context) if context is not None else None
+        self.processes = bool(params.penalizes or params.logit_bias)
 
     def knobs(self) -> list[float]:
         p = self.params
+        if p.greedy:  # (penalised greedy: the host's argmax draws no uniform)
+            return list(GREEDY_KNOBS)
         # (one uniform a token, as Generator.choice takes it: the host's draws, seed for seed)
         return [p.temperature, p.top_p if p.top_p < 1.0 else 2.0, p.min_p, self.rng.random(),
                 float(p.top_k)]
+
+    def taken(self, token: int) -> None:
+        """A token read back: it is in the context of the steps after it."""
+        if self.context is not None:
+            self.context.append(token)
+
+    def processing(self, chained: bool, vocab: int, ints: np.ndarray,
+                   floats: np.ndarray) -> None:
+        """Fill this step's row of ``_processed``'s inputs (``ints`` (W - 1 + SAMPLE_BIASES,),
+        ``floats`` (W + SAMPLE_BIASES + 3,), W = PENALTY_WINDOW): the window's tokens the
+        host knows and their weights (the step's input token, the window's last, is read
+        on the device: ``chained``, the step before drew it and the host has not read it,
+        so every token of the context is before it; else it is the context's last), the
+        bias, (repetition, frequency, presence) penalties."""
+        p, w = self.params, PENALTY_WINDOW
+        ints[:], floats[:] = 0, 0.0
+        floats[-3:] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+        if p.penalizes:
+            known = self.context if chained else self.context[:-1]
+            before = np.asarray(known[-(p.penalty_last_n - 1):] if p.penalty_last_n > 1
+                                else [], dtype=np.int64)
+            inside = before < vocab  # (the host's penalties skip ids past the logits)
+            ints[:len(before)] = np.where(inside, before, 0)
+            floats[:len(before)] = inside
+            floats[w - 1] = 1.0  # the input token
+        ids = list(p.logit_bias)
+        ints[w - 1:w - 1 + len(ids)] = ids
+        floats[w:w + len(ids)] = [p.logit_bias[t] for t in ids]
+
+
+def _processed(logits: torch.Tensor, tokens: torch.Tensor, ints: torch.Tensor,
+               floats: torch.Tensor) -> torch.Tensor:
+    """``edgellm.sampling.logits_processor`` over each row of logits (R, vocab) f32 on the
+    device, bit for bit the host's: the logit bias added, then the repetition (divide a
+    positive logit, multiply a negative one), frequency (times the count) and presence
+    penalties of each token in the window. tokens (R,) int64: each row's input token of
+    this step, the window's last; ints (R, W - 1 + SAMPLE_BIASES) int64 and floats
+    (R, W + SAMPLE_BIASES + 3) f32: the rows ``_Draw.processing`` fills (a weight of 0 and
+    a bias of 0 on a pad, penalties 1, 0, 0 off). Returns new logits (R, vocab)."""
+    w = PENALTY_WINDOW
+    window = torch.cat([ints[:, :w - 1], tokens.view(-1, 1)], 1)  # (R, W)
+    out = logits.scatter_add(1, ints[:, w - 1:], floats[:, w:w + SAMPLE_BIASES])
+    counts = torch.zeros_like(out).scatter_add_(1, window, floats[:, :w])  # (R, vocab)
+    repeat, frequency, presence = floats[:, -3:-2], floats[:, -2:-1], floats[:, -1:]
+    penalised = torch.where(out > 0, out / repeat, out * repeat) - counts * frequency - presence
+    return torch.where(counts > 0, penalised, out)
 
 
 def _sample(logits: torch.Tensor, knobs: torch.Tensor,

@@ -253,24 +253,29 @@ class Model:
         yield from self._checked(steps or self._greedy_on_host(token, cache))
 
     def sampled_tokens(self, token: int, cache: KVCache, params, rng: np.random.Generator,
-                       *, evict: bool = True) -> Iterator[int] | None:
-        """Decoding after ``token`` with ``params``' chain (top-k, top-p, min-p,
-        temperature) drawn on the device, one uniform of ``rng`` a token as the host's
-        sampler draws it, or (``params.argmax_only``) the argmax taken there: each step's
-        token, for ever, one step ahead as ``greedy_tokens``'. None where the backend
-        cannot (no graphs; a chain that needs the host: penalties, logit bias, top-k off or
-        above the device's candidates; a cache that cannot run as graphs), and the caller
-        samples on the host. ``evict`` False: a new graph evicts no other cache's, as
-        ``forward_batch`` keeps an engine's slots."""
+                       *, evict: bool = True, context: Sequence[int] | None = None
+                       ) -> Iterator[int] | None:
+        """Decoding after ``token`` with ``params``' chain (logit bias, penalties over
+        ``context``: the tokens so far, ``token`` last; top-k, top-p, min-p, temperature)
+        drawn on the device, one uniform of ``rng`` a token as the host's sampler draws
+        it, or (``params.argmax_only``) the argmax taken there: each step's token, for
+        ever, one step ahead as ``greedy_tokens``'. None where the backend cannot (no
+        graphs; a chain that needs the host: penalties without ``context`` or over more
+        than the device's window, more bias entries than it takes, top-k off or above its
+        candidates; a cache that cannot run as graphs), and the caller samples on the
+        host. ``evict`` False: a new graph evicts no other cache's, as ``forward_batch``
+        keeps an engine's slots."""
         graphs = getattr(self.backend, "graphs", None)
         if graphs is None:
             return None
         steps = (graphs.greedy(self, token, cache, evict) if params.argmax_only
-                 else graphs.sample(self, token, cache, params, rng, evict))
+                 else graphs.sample(self, token, cache, params, rng, evict,
+                                    None if context is None else list(context)))
         return self._checked(steps) if steps is not None else None
 
     def sampled_batch_tokens(self, batch: Sequence[tuple[int, KVCache]],
-                             params: Sequence[Any], rngs: Sequence[np.random.Generator]
+                             params: Sequence[Any], rngs: Sequence[np.random.Generator],
+                             contexts: Sequence[Sequence[int]] | None = None
                              ) -> Iterator[list[tuple[int, float]]] | None:
         """Decoding several sequences together after their tokens (``batch``: the last
         token, not yet in it, and its own cache each), each one's next token drawn on the
@@ -281,15 +286,18 @@ class Model:
         is queued before the one before is read back, as ``sampled_tokens``' (so each
         cache holds one token more than was yielded until it is closed; copies of
         ``rngs`` draw, one uniform ahead, and the caller advances its own one a token
-        taken). None, with nothing run or drawn, where the
-        backend cannot (no graphs; a chain that needs the host; caches that cannot step as
-        one batch graph), and the caller runs ``forward_batch`` and samples on the host."""
+        taken). ``contexts``: each sequence's tokens so far, its token last, which its
+        penalties look back over. None, with nothing run or drawn, where the backend
+        cannot (no graphs; a chain that needs the host, as ``sampled_tokens``'; caches that
+        cannot step as one batch graph), and the caller runs ``forward_batch`` and samples
+        on the host."""
         graphs = getattr(self.backend, "graphs", None)
         if graphs is None:
             return None
         tokens = [np.array([token], dtype=np.int64) for token, _ in batch]
         return graphs.batch_stream(self, tokens, [c for _, c in batch], list(params),
-                                   list(rngs))
+                                   list(rngs), None if contexts is None
+                                   else [list(c) for c in contexts])
 
     @staticmethod
     def _checked(steps: Iterator[tuple[int, float]]) -> Iterator[int]:
