@@ -210,10 +210,11 @@ step_ctx() {
     done
 }
 
-step_sampling() {  # the default chain drawn on the device (sampled_tokens) against the host
+# the default chain, and a penalised one, drawn on the device (sampled_tokens) against the host
+step_sampling() {
     enough 60 "sampling" || return
     timeout "$(limit 150)" python3 benchmarks/sampling_ab.py "$LARGE" --backend torch \
-        --tokens 128 2>&1 | tee -a "$LOGS/sampling.txt" | tail -n 5
+        --tokens 128 2>&1 | tee -a "$LOGS/sampling.txt" | tail -n 7
 }
 
 # requests through the engine (the server's path), graphs or not: one at a time, then 2 and

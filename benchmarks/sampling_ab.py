@@ -6,11 +6,13 @@ rounds. The runs:
 - ``default``: the chain as ``generate_step`` runs it (a device backend with graphs draws
   it on the device: ``Model.sampled_tokens``);
 - ``default, host``: the chain sampled on the host (``sampled_tokens`` off);
+- ``penalised`` and ``penalised, host``: the default chain with repetition, frequency and
+  presence penalties and a logit bias (on the device: ``graphs._processed`` first);
 - ``default, host at REV`` (``--against REV``): another git revision's host sampler.
 
 The host samplers must draw the same tokens for the same seed (asserted); whether the
-device's draws equal them is printed (they may part only where a uniform falls within a
-few ulps of a running sum).
+device's draws equal them (the default chain's, the penalised one's) is printed (they may
+part only where a uniform falls within a few ulps of a running sum).
 
     python benchmarks/sampling_ab.py MODEL.gguf [--against REV] [--tokens 64] [--rounds 3]
         [--backend cpu]
@@ -55,7 +57,8 @@ def decode_speed(model, params: SamplingParams, make_sampler, on_device: bool,
     generate.make_sampler = make_sampler
     net = model.net
     if not on_device:
-        net.sampled_tokens = lambda *args: None  # (an instance attribute over the method)
+        # (an instance attribute over the method)
+        net.sampled_tokens = lambda *args, **kwargs: None
     prompt = model.tokenizer.encode(PROMPT)
     steps = generate.generate_step(prompt, net, model.make_cache(1024), params)
     try:
@@ -78,9 +81,14 @@ def main() -> None:
     args = ap.parse_args()
     model = edgellm.load(args.model, backend=args.backend)
     ours, chain = generate.make_sampler, SamplingParams(seed=5)
+    bias = {model.tokenizer.encode(" the")[-1]: -5.0}
+    penalised = SamplingParams(seed=5, repetition_penalty=1.1, frequency_penalty=0.2,
+                               presence_penalty=0.1, logit_bias=bias)
     runs = {"greedy": (SamplingParams(temperature=0), ours, True),
             "default": (chain, ours, True),
-            "default, host": (chain, ours, False)}
+            "default, host": (chain, ours, False),
+            "penalised": (penalised, ours, True),
+            "penalised, host": (penalised, ours, False)}
     if args.against:
         theirs = sampling_module_at(args.against).make_sampler
         # (a revision's make_sampler may take params alone: seeded alike, the same draws)
@@ -99,6 +107,8 @@ def main() -> None:
         spread = " ".join(f"{v:.1f}" for v in values)
         print(f"{name}: {statistics.median(values):.1f} t/s ({spread})")
     print(f"device draws equal the host's: {drawn['default'] == host[0]}")
+    print(f"penalised device draws equal the host's: "
+          f"{drawn['penalised'] == drawn['penalised, host']}")
 
 
 if __name__ == "__main__":
