@@ -1131,8 +1131,7 @@ def test_device_penalties_equal_the_hosts_bit_for_bit():
     from edgellm.sampling import SamplingParams, logits_processor
 
     rng = np.random.default_rng(0)
-    vocab, w = 1000, graphs_module.PENALTY_WINDOW
-    widths = (w - 1 + graphs_module.SAMPLE_BIASES, w + graphs_module.SAMPLE_BIASES + 3)
+    vocab, widths = 1000, graphs_module.PROCESSING_WIDTHS
     rows = []  # (logits, input token, ints, floats, the host's logits)
     for trial in range(200):
         logits = (rng.normal(size=vocab) * rng.choice([0.3, 2.0, 8.0])).astype(np.float32)
@@ -1154,7 +1153,7 @@ def test_device_penalties_equal_the_hosts_bit_for_bit():
         if draw.processes:
             draw.processing(chained, vocab, ints, floats)
         else:  # (as ``_fill_processing`` fills a row that changes nothing)
-            floats[-3] = 1.0
+            graphs_module._unprocessed(ints, floats)
         host = logits_processor(params)(logits.copy(), context)
         got = graphs_module._processed(torch.from_numpy(logits)[None],
                                        torch.tensor([context[-1]]),

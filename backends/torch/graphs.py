@@ -80,7 +80,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -477,7 +477,7 @@ class StepGraphs:
 
     def batch_stream(self, model, tokens: list[np.ndarray], caches: list[KVCache],
                      params: list, rngs: list[np.random.Generator],
-                     contexts: list[list[int]] | None = None
+                     contexts: Sequence[Sequence[int]] | None = None
                      ) -> Iterator[list[tuple[int, float]]] | None:
         """Decode steps of several caches as the batch graphs of their sets (``cache_sets``:
         one graph for up to 8, ``queue_batch``), each sequence's next token drawn on the
@@ -672,7 +672,7 @@ class StepGraphs:
         return self._decode_steps(model, g, token, cache)
 
     def sample(self, model, token: int, cache: KVCache, params, rng: np.random.Generator,
-               evict: bool = True, context: list[int] | None = None
+               evict: bool = True, context: Sequence[int] | None = None
                ) -> Iterator[tuple[int, float]] | None:
         """Decoding after ``token`` with ``params``' chain drawn on the device (``_processed``:
         logit bias and penalties, then ``_sample``: top-k, top-p, min-p, temperature, the
@@ -846,18 +846,18 @@ class StepGraphs:
         """Each row's ``_processed`` inputs into b's host set and, stream-ordered, its
         device buffers (a row without bias or penalties changes nothing)."""
         host, rows = b.host, len(draws)
-        widths = (PENALTY_WINDOW - 1 + SAMPLE_BIASES, PENALTY_WINDOW + SAMPLE_BIASES + 3)
         if host.processing is None:
             host.processing = tuple(
                 torch.empty((rows, n), dtype=dtype, pin_memory=self.capture)
-                for n, dtype in zip(widths, (torch.int64, torch.float32), strict=True))
+                for n, dtype in zip(PROCESSING_WIDTHS, (torch.int64, torch.float32),
+                                    strict=True))
         ints, floats = (t.numpy() for t in host.processing)
         vocab = b.logits.shape[-1]
         for row, d in enumerate(draws):
             if d is not None and d.processes:
                 d.processing(chained, vocab, ints[row], floats[row])
-            else:  # (nothing added, no token counted, penalties off)
-                ints[row], floats[row], floats[row, -3] = 0, 0.0, 1.0
+            else:
+                _unprocessed(ints[row], floats[row])
         if b.dev_processing is None:
             b.dev_processing = tuple(torch.empty_like(t, device=self.backend.device)
                                      for t in host.processing)
@@ -1346,6 +1346,10 @@ SAMPLE_CANDIDATES = 64
 PENALTY_WINDOW = 64
 #: the most logit_bias entries the device adds (more sample on the host)
 SAMPLE_BIASES = 128
+#: a row of ``_processed``'s inputs: int64 (the window's tokens the host knows, W - 1; the
+#: bias's ids), f32 (the window's weights, W; the biases; repetition, frequency and presence
+#: penalties), W = PENALTY_WINDOW
+PROCESSING_WIDTHS = (PENALTY_WINDOW - 1 + SAMPLE_BIASES, PENALTY_WINDOW + SAMPLE_BIASES + 3)
 
 
 def samplable(params, vocab: int, history: bool = True) -> bool:
@@ -1373,16 +1377,26 @@ def _draws(params: list, rngs: list[np.random.Generator], vocab: int,
             for p, rng, context in zip(params, rngs, contexts, strict=True)]
 
 
+def _unprocessed(ints: np.ndarray, floats: np.ndarray) -> None:
+    """Fill a row of ``_processed``'s inputs that changes nothing (a batch's argmax row):
+    no token counted, no bias, penalties (1, 0, 0)."""
+    ints[:], floats[:] = 0, 0.0
+    floats[-3] = 1.0
+
+
 class _Draw:
     """A sampled decode's knobs and generator: each step's (temperature, top-p (2: off),
     min-p, a uniform of the generator, top-k) for ``_sample``, and (``processes``: logit
     bias or penalties) its row of ``_processed``'s inputs, from the tokens so far
-    (``context``, which the decode loop extends with each token it reads back)."""
+    (``context``: the last PENALTY_WINDOW of them where there are penalties, which the
+    decode loop extends with each token it reads back)."""
 
     def __init__(self, params, rng: np.random.Generator, context=None):
         self.params, self.rng = params, rng
-        self.context = list(context) if context is not None else None
+        self.context = (list(context[-PENALTY_WINDOW:])
+                        if context is not None and params.penalizes else None)
         self.processes = bool(params.penalizes or params.logit_bias)
+        self._row = self._fixed_row() if self.processes else None
 
     def knobs(self) -> list[float]:
         p = self.params
@@ -1397,28 +1411,35 @@ class _Draw:
         if self.context is not None:
             self.context.append(token)
 
+    def _fixed_row(self) -> tuple[np.ndarray, np.ndarray]:
+        """What of this draw's ``_processed`` row every step shares: the bias, the
+        penalties (no window yet)."""
+        p, w = self.params, PENALTY_WINDOW
+        ints, floats = np.zeros(PROCESSING_WIDTHS[0], np.int64), np.zeros(
+            PROCESSING_WIDTHS[1], np.float32)
+        floats[-3:] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+        ids = list(p.logit_bias)
+        ints[w - 1:w - 1 + len(ids)] = ids
+        floats[w:w + len(ids)] = [p.logit_bias[t] for t in ids]
+        return ints, floats
+
     def processing(self, chained: bool, vocab: int, ints: np.ndarray,
                    floats: np.ndarray) -> None:
-        """Fill this step's row of ``_processed``'s inputs (``ints`` (W - 1 + SAMPLE_BIASES,),
-        ``floats`` (W + SAMPLE_BIASES + 3,), W = PENALTY_WINDOW): the window's tokens the
-        host knows and their weights (the step's input token, the window's last, is read
-        on the device: ``chained``, the step before drew it and the host has not read it,
-        so every token of the context is before it; else it is the context's last), the
-        bias, (repetition, frequency, presence) penalties."""
+        """Fill this step's row of ``_processed``'s inputs (``PROCESSING_WIDTHS``): the
+        bias and penalties, and the window's tokens the host knows and their weights (the
+        step's input token, the window's last, is read on the device: ``chained``, the
+        step before drew it and the host has not read it, so every token of the context
+        is before it; else it is the context's last)."""
         p, w = self.params, PENALTY_WINDOW
-        ints[:], floats[:] = 0, 0.0
-        floats[-3:] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+        ints[:], floats[:] = self._row
         if p.penalizes:
-            known = self.context if chained else self.context[:-1]
-            before = np.asarray(known[-(p.penalty_last_n - 1):] if p.penalty_last_n > 1
-                                else [], dtype=np.int64)
+            end = len(self.context) - (0 if chained else 1)  # (past the known ones)
+            start = max(0, end - (p.penalty_last_n - 1))
+            before = np.asarray(self.context[start:end], dtype=np.int64)
             inside = before < vocab  # (the host's penalties skip ids past the logits)
             ints[:len(before)] = np.where(inside, before, 0)
             floats[:len(before)] = inside
             floats[w - 1] = 1.0  # the input token
-        ids = list(p.logit_bias)
-        ints[w - 1:w - 1 + len(ids)] = ids
-        floats[w:w + len(ids)] = [p.logit_bias[t] for t in ids]
 
 
 def _processed(logits: torch.Tensor, tokens: torch.Tensor, ints: torch.Tensor,
@@ -1427,9 +1448,9 @@ def _processed(logits: torch.Tensor, tokens: torch.Tensor, ints: torch.Tensor,
     device, bit for bit the host's: the logit bias added, then the repetition (divide a
     positive logit, multiply a negative one), frequency (times the count) and presence
     penalties of each token in the window. tokens (R,) int64: each row's input token of
-    this step, the window's last; ints (R, W - 1 + SAMPLE_BIASES) int64 and floats
-    (R, W + SAMPLE_BIASES + 3) f32: the rows ``_Draw.processing`` fills (a weight of 0 and
-    a bias of 0 on a pad, penalties 1, 0, 0 off). Returns new logits (R, vocab)."""
+    this step, the window's last; ints and floats (R, ``PROCESSING_WIDTHS``): the rows
+    ``_Draw.processing`` fills (a weight of 0 and a bias of 0 on a pad; ``_unprocessed``:
+    a row that changes nothing). Returns new logits (R, vocab)."""
     w = PENALTY_WINDOW
     window = torch.cat([ints[:, :w - 1], tokens.view(-1, 1)], 1)  # (R, W)
     out = logits.scatter_add(1, ints[:, w - 1:], floats[:, w:w + SAMPLE_BIASES])

@@ -269,8 +269,7 @@ class Model:
         if graphs is None:
             return None
         steps = (graphs.greedy(self, token, cache, evict) if params.argmax_only
-                 else graphs.sample(self, token, cache, params, rng, evict,
-                                    None if context is None else list(context)))
+                 else graphs.sample(self, token, cache, params, rng, evict, context))
         return self._checked(steps) if steps is not None else None
 
     def sampled_batch_tokens(self, batch: Sequence[tuple[int, KVCache]],
@@ -296,8 +295,7 @@ class Model:
             return None
         tokens = [np.array([token], dtype=np.int64) for token, _ in batch]
         return graphs.batch_stream(self, tokens, [c for _, c in batch], list(params),
-                                   list(rngs), None if contexts is None
-                                   else [list(c) for c in contexts])
+                                   list(rngs), contexts)
 
     @staticmethod
     def _checked(steps: Iterator[tuple[int, float]]) -> Iterator[int]:
