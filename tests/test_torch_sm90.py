@@ -37,6 +37,75 @@ def test_decode_attention_keeps_to_registers(model, storage, sequences):
     assert compiled.spilt_bytes == 0, compiled.registers
 
 
+@pytest.mark.parametrize("model", list(HEADS))
+def test_decode_attention_waits_for_memory_once_a_tile(model):
+    """A decode step's attention as a graph launches it (the bench's 656 slots: 21 splits,
+    a combine of two blocks of 16): a split's key and value tiles, and the step's new rows,
+    are loaded before the first barrier after them (loaded where they were used, after the
+    scores' reductions, the values waited for memory a second time: so they did before
+    2026-11-28). The combine's loads come in two runs, each before the first instruction
+    that waits for them (a barrier or a warp shuffle: a reduction's): the first block's
+    maximums, sums and values with every split's maximum, then, in the loop, the next
+    block's (before, every split's maximum came alone, and each block's sums and values
+    only after its maximums had been reduced)."""
+    compiled = offline_sm90.compile_launch(*offline_sm90.attention_launch(*HEADS[model], 656))
+    barriers = compiled.lines(r"bar\.sync")
+    tiles = compiled.lines(r"ld\.global\.v\d")  # the query, the cache's tiles, new rows
+    assert len(tiles) >= 3 and min(b for b in barriers if b > tiles[0]) > tiles[-1]
+    count = min(compiled.lines(r"atom\.global\S*\.add"))  # the split's: then the combine
+    reset = min(compiled.lines(r"atom\.global\S*\.exch"))
+    combine = [i for i in compiled.lines(r"ld\.global\.cg") if count < i < reset]
+    waits = [i for i in compiled.lines(r"bar\.sync|shfl\.sync") if count < i < reset]
+    bounds = [count, *waits, reset]
+    runs = [[i for i in combine if lo < i < hi]
+            for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    runs = [run for run in runs if run]
+    values = set(compiled.lines(r"ld\.global\.cg\.v\d"))
+    assert len(runs) == 2, runs
+    assert all(values & set(run) and set(run) - values for run in runs), (runs, values)
+
+
+@pytest.mark.parametrize("width", [1536, 640], ids=["qwen-1.5b", "gemma-270m"])
+def test_residual_and_rope_load_before_they_reduce(width):
+    """The chained blocks' residual add (with the next norm and its 8-bit blocks; with
+    Gemma's norm of the branch first, and without) and Gemma's RoPE with its heads' norms:
+    every global load comes before the first instruction that waits on a reduction (a
+    barrier or a warp shuffle). Before 2026-11-28 the residual loaded x's row again after
+    the sum's store (a store the compiler keeps later loads of x behind) and its norm's
+    weights after the reduction, and the RoPE its norm's weights and its angles: a second
+    wait for memory each."""
+    from edgellm.backends.torch import kernels
+
+    x, w = torch.zeros((1, width)), torch.zeros(width)
+    launches = [offline_sm90._recorded(lambda post=post: kernels.residual(
+        x, x, 1e-6, h_norm=w if post else None, out_norm=w, quantize=True), 0)[0]
+        for post in (False, True)]
+    q, k, angles = torch.zeros((1, 4, 256)), torch.zeros((1, 1, 256)), torch.zeros((1, 128))
+    norms = (torch.zeros(256), torch.zeros(256), 1e-6)  # (Gemma's heads of 256)
+    launches += offline_sm90._recorded(lambda: kernels.rope_qk(q, k, angles, angles, True,
+                                                               norms=norms), 0)
+    compiled = offline_sm90.compile_specs([offline_sm90.launch_spec(*la) for la in launches])
+    for c in compiled:
+        loads = c.lines(r"ld\.global")
+        waits = c.lines(r"bar\.sync|shfl\.sync")
+        assert loads and waits and max(loads) < min(waits), (c.name, loads, waits)
+
+
+def test_split_k_combine_loads_every_partial_at_once():
+    """The last program of a split mat-vec's row block adds the splits' partial sums with
+    one load each unrolled (a power of two of them, those past the last masked off), not
+    in a loop that ptxas unrolled by four: the 1.5B's Q6_K down projection in the tile an
+    H100 kept splits K 18 ways, which were five waits for memory in turn."""
+    (kernel, args, meta), _ = offline_sm90.tuned_matvec_launch("matvec", 7, 1536, 140,
+                                                                (16, 8, 4, 16))
+    assert meta["SPLIT_K"] and meta["SPLITS"] == 32
+    compiled = offline_sm90.compile_launch(kernel, args, meta)
+    count = min(compiled.lines(r"atom\.global\S*\.add"))
+    reset = min(compiled.lines(r"atom\.global\S*\.exch"))
+    partials = [i for i in compiled.lines(r"ld\.global\.cg") if count < i < reset]
+    assert len(partials) == meta["SPLITS"]
+
+
 @pytest.mark.parametrize("tokens", [1, 8], ids=["decode", "speculative"])
 @pytest.mark.parametrize("rows,cols,qtype", [(17920, 1536, Q.Q4_K), (1536, 8960, Q.Q6_K),
                                              (9728, 896, Q.Q5_0), (896, 4864, Q.Q8_0)],

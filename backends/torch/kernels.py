@@ -416,13 +416,15 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
                 m_ptr, d_ptr, dm_ptr, N, KW, nqw, ng, nsup, n_chunks, cps, n_splits,
                 M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr,
                 CH: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                INTERP: tl.constexpr, PIPELINE: tl.constexpr, PDL: tl.constexpr):
+                SPLITS: tl.constexpr, INTERP: tl.constexpr, PIPELINE: tl.constexpr,
+                PDL: tl.constexpr):
     """out (M, N) = x @ W.T with x as int8 blocks: xq (M, KW) int32 words of 4 int8 values,
     xd (M, KW / 8) f32 the scale of each 32 values, CH chunks a step (``_qmv_rows``).
     Program (i, j) takes rows i * BN.. and chunks j * cps.. (a
     split of K when rows alone give too few programs): its partial sums go to part[j], and
     the last split of a row block to finish (a counter per block) adds them up in split
-    order, so the result does not depend on which finished first."""
+    order, so the result does not depend on which finished first (SPLITS: a power of two
+    of at least n_splits, the combine's unrolled loads)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     c_end = tl.minimum(split * cps + cps, n_chunks)
@@ -447,8 +449,11 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
         finished = tl.atomic_add(count_ptr + pid, 1)  # acq_rel: sees the others' partials
         if finished == n_splits - 1:
             total = tl.zeros((BN, MP), dtype=tl.float32)
-            for j in range(0, n_splits):
-                total += tl.load(part_ptr + j * (M * N) + at, mask=omask, other=0.0,
+            # (unrolled: every split's partials load at once, not a few at a time as a
+            # loop's; added in split order, then the exact zeros of those past the last)
+            for j in tl.static_range(SPLITS):
+                live = omask & (tl.zeros_like(at) + j < n_splits)  # (BN, MP)
+                total += tl.load(part_ptr + j * (M * N) + at, mask=live, other=0.0,
                                  cache_modifier=".cg")
             tl.store(out_ptr + at, total, mask=omask)
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch
@@ -729,16 +734,17 @@ def _rope_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_p
         w_ptr = kw_ptr
     p = tl.arange(0, HALF)
     ia, ib = _rope_pairs(HALF, NEOX)
+    # (every load before the norm's reduction, which the loads after it would wait behind)
     a = tl.load(src + ia)
     b = tl.load(src + ib)
-    if NORM:
-        j = tl.arange(0, HD)
-        x = tl.load(src + j)
-        r = tl.sqrt_rn(tl.sum(x * x, axis=0) / HD + eps)
-        a = a / r * tl.load(w_ptr + ia)
-        b = b / r * tl.load(w_ptr + ib)
     cos = tl.load(cos_ptr + tok * HALF + p)
     sin = tl.load(sin_ptr + tok * HALF + p)
+    if NORM:
+        x = tl.load(src + tl.arange(0, HD))
+        wa, wb = tl.load(w_ptr + ia), tl.load(w_ptr + ib)
+        r = tl.sqrt_rn(tl.sum(x * x, axis=0) / HD + eps)
+        a = a / r * wa
+        b = b / r * wb
     tl.store(dst + ia, a * cos - b * sin)
     tl.store(dst + ib, a * sin + b * cos)
 
@@ -758,21 +764,30 @@ def _residual_kernel(x_ptr, h_ptr, hw_ptr, w_ptr, sum_ptr, out_ptr, q32_ptr, d32
     ok = j < K
     jr = tl.arange(0, ROW)
     okr = jr < K
+    # (every load first: one placed after a reduction, or after the sum's store, which
+    # the compiler keeps loads of x behind, not knowing the two apart, waits for memory a
+    # second time)
     x = tl.load(x_ptr + row * K + j, mask=ok, other=0.0)
     h = tl.load(h_ptr + row * K + j, mask=ok, other=0.0)
     if POST or NORM:
         hr = tl.load(h_ptr + row * K + jr, mask=okr, other=0.0)
     if POST:
+        hw = tl.load(hw_ptr + j, mask=ok, other=0.0)
+        if NORM:
+            hwr = tl.load(hw_ptr + jr, mask=okr, other=0.0)
+    if NORM:
+        xr = tl.load(x_ptr + row * K + jr, mask=okr, other=0.0)
+        w = tl.load(w_ptr + j, mask=ok, other=0.0)
+    if POST:
         rh = tl.sqrt_rn(tl.sum(hr * hr, axis=0) / K + eps)
-        h = h / rh * tl.load(hw_ptr + j, mask=ok, other=0.0)
+        h = h / rh * hw
     s = x + h
     tl.store(sum_ptr + row * K + j, s, mask=ok)
     if NORM:
         if POST:
-            hr = hr / rh * tl.load(hw_ptr + jr, mask=okr, other=0.0)
-        sr = tl.load(x_ptr + row * K + jr, mask=okr, other=0.0) + hr
-        y = s / tl.sqrt_rn(tl.sum(sr * sr, axis=0) / K + eps) * tl.load(w_ptr + j, mask=ok,
-                                                                          other=0.0)
+            hr = hr / rh * hwr
+        sr = xr + hr
+        y = s / tl.sqrt_rn(tl.sum(sr * sr, axis=0) / K + eps) * w
         tl.store(out_ptr + row * K + j, y, mask=ok)
         if QUANT:
             _store_q8_blocks(y, row, tl.program_id(1) * 256, KP, q32_ptr, d32_ptr, q256_ptr,
@@ -866,15 +881,23 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
         valid = tl.load(mask_ptr + tok.to(tl.int64) * T + t, mask=t < T, other=0) != 0
         if tl.max(valid.to(tl.int32), axis=0) > 0:  # a tile the mask hides costs nothing
             kv = (t.to(tl.int64) * KVH + kvh) * HD
+            # (the values are loaded with the keys: loaded where they are used, after the
+            # scores' reductions and their barriers, they were a second wait for memory)
             k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=valid[:, None],
-                        other=0.0).to(tl.float32)  # (BT, HD)
+                        other=0.0)  # (BT, HD) in the cache's dtype
+            v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             if WRITE:
-                if APART:
-                    k = _new_rows(k, t, k_ptr, kn_ptr + tok * KVH * HD, slots_ptr + tok,
-                                  kvh, KVH, HD, 1)
+                if (WRITE == 1) or APART:  # (the token's own new row alone: decode's)
+                    # (loaded before either row is put in: a put's layout conversion
+                    # passes a barrier, which loads after it would wait behind)
+                    own = (tok * KVH + kvh) * HD + d
+                    slot = tl.load(slots_ptr + tok)
+                    k_row, v_row = tl.load(kn_ptr + own), tl.load(vn_ptr + own)
+                    k, v = _with_row(k, t, slot, k_row), _with_row(v, t, slot, v_row)
                 else:
-                    k = _new_rows(k, t, k_ptr, kn_ptr, slots_ptr, kvh, KVH, HD, WRITE)
-            s = tl.sum(k * q[None, :], axis=1)  # (BT,)
+                    k = _new_rows(k, t, kn_ptr, slots_ptr, kvh, KVH, HD, WRITE)
+                    v = _new_rows(v, t, vn_ptr, slots_ptr, kvh, KVH, HD, WRITE)
+            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)  # (BT,)
             if SOFTCAP:
                 s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # tanh
             s = tl.where(valid, s, float("-inf"))
@@ -883,15 +906,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe)  # (BT,)
             l_i = l_i * alpha + tl.sum(p, axis=0)
-            v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=valid[:, None],
-                        other=0.0).to(tl.float32)
-            if WRITE:
-                if APART:
-                    v = _new_rows(v, t, v_ptr, vn_ptr + tok * KVH * HD, slots_ptr + tok,
-                                  kvh, KVH, HD, 1)
-                else:
-                    v = _new_rows(v, t, v_ptr, vn_ptr, slots_ptr, kvh, KVH, HD, WRITE)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
             m_i = m_new
     row = tok * H + h
     # (a row's partials at the grid's split count apart: APART rows split their own counts
@@ -936,17 +951,21 @@ def _store_new_kv(k_ptr, v_ptr, kn_ptr, vn_ptr, slots_ptr, tok, kvh, KVH, HD: tl
 
 
 @triton.jit
-def _new_rows(x, t, cache_ptr, new_ptr, slots_ptr, kvh, KVH, HD: tl.constexpr,
-              N: tl.constexpr):
-    """x (BT, HD): cache rows t, with each row that one of the step's N tokens writes taken
-    from that token's new row instead (rounded to the cache's dtype, as the store rounds
-    it)."""
+def _new_rows(x, t, new_ptr, slots_ptr, kvh, KVH, HD: tl.constexpr, N: tl.constexpr):
+    """x (BT, HD) in the cache's dtype: cache rows t, with each row that one of the step's N
+    tokens writes (at slots_ptr[i]) taken from that token's new row in new_ptr (N, KVH, HD)
+    instead."""
     d = tl.arange(0, HD)
     for i in tl.static_range(N):
-        row = tl.load(new_ptr + (i * KVH + kvh) * HD + d)
-        row = row.to(cache_ptr.dtype.element_ty).to(tl.float32)
-        x = tl.where((t == tl.load(slots_ptr + i))[:, None], row[None, :], x)
+        x = _with_row(x, t, tl.load(slots_ptr + i), tl.load(new_ptr + (i * KVH + kvh) * HD + d))
     return x
+
+
+@triton.jit
+def _with_row(x, t, slot, row):
+    """x (BT, HD) of slots t, its row at ``slot`` (if one) replaced by ``row`` (HD,) f32,
+    rounded to x's dtype as the cache's store rounds it."""
+    return tl.where((t == slot)[:, None], row.to(x.dtype)[None, :], x)
 
 
 @triton.jit
@@ -982,8 +1001,8 @@ def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, stride, HD: tl.
                   NS: tl.constexpr, SB: tl.constexpr):
     """One query head's output (row = token * H + head) from its n_splits partial results
     at row * stride (read past L1: other programs wrote them): the splits' top maximum at
-    once (NS of them), then their sums and weighted values SB splits at a time, loading
-    values only from the splits that saw a key (the rest stored none). A (NS, HD) tile at
+    once (NS of them), then their sums and weighted values SB splits at a time, adding
+    only those of the splits that saw a key (the rest stored no values). A (NS, HD) tile at
     once would take NS * HD / threads registers: at 4096 slots (128 splits) ptxas gave it
     255 and spilt. SB is the same for every split count, so the sums' order is too: more
     splits that the mask hides (a graph's whole storage against an eager step's slots used)
@@ -992,6 +1011,9 @@ def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, stride, HD: tl.
     then differed by an ulp)."""
     s = tl.arange(0, NS)
     d = tl.arange(0, HD)
+    # (each block's loads go out before the block before is summed, the first block's with
+    # the maximums': the combine waits for memory about once, not twice a block)
+    m_b, l_b, a = _split_partials(m_ptr, l_ptr, acc_ptr, row, stride, 0, n_splits, HD, SB)
     m = tl.load(m_ptr + row * stride + s, mask=s < n_splits, other=float("-inf"),
                 cache_modifier=".cg")
     top = tl.max(m, axis=0)  # (exact in any order)
@@ -999,19 +1021,32 @@ def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, row, n_splits, stride, HD: tl.
     total = tl.zeros((1,), tl.float32)
     acc = tl.zeros((HD,), tl.float32)
     for s0 in range(0, n_splits, SB):
-        sb = s0 + tl.arange(0, SB)
-        part = row * stride + sb
-        m_b = tl.load(m_ptr + part, mask=sb < n_splits, other=float("-inf"),
-                      cache_modifier=".cg")
+        m_n, l_n, a_n = _split_partials(m_ptr, l_ptr, acc_ptr, row, stride, s0 + SB,
+                                        n_splits, HD, SB)  # (none past the last split)
         seen = m_b != float("-inf")  # (SB,) splits that stored values
         if tl.max(seen.to(tl.int32), axis=0) > 0:  # a block the mask hides adds nothing
-            l_b = tl.load(l_ptr + part, mask=seen, other=0.0, cache_modifier=".cg")
             w = tl.exp(m_b - top)  # (SB,) 0 where unseen
-            total += tl.sum(l_b * w, axis=0)
-            a = tl.load(acc_ptr + part.to(tl.int64)[:, None] * HD + d[None, :],
-                        mask=seen[:, None], other=0.0, cache_modifier=".cg")  # (SB, HD)
-            acc += tl.sum(a * w[:, None], axis=0)
+            total += tl.sum(tl.where(seen, l_b, 0.0) * w, axis=0)
+            # (an unseen split's values are another launch's, or never written: not NaN-safe)
+            acc += tl.sum(tl.where(seen[:, None], a, 0.0) * w[:, None], axis=0)
+        m_b, l_b, a = m_n, l_n, a_n
     tl.store(out_ptr + row.to(tl.int64) * HD + d, acc / total)
+
+
+@triton.jit
+def _split_partials(m_ptr, l_ptr, acc_ptr, row, stride, s0, n_splits, HD: tl.constexpr,
+                    SB: tl.constexpr):
+    """Splits s0..s0 + SB of a head's partial results (``_attn_combine``): maximums (SB,)
+    (-inf past n_splits), sums (SB,) and weighted values (SB, HD) as stored (those of a
+    split that saw no key: whatever its place held), read past L1."""
+    sb = s0 + tl.arange(0, SB)
+    part = row * stride + sb
+    split = sb < n_splits
+    m_b = tl.load(m_ptr + part, mask=split, other=float("-inf"), cache_modifier=".cg")
+    l_b = tl.load(l_ptr + part, mask=split, other=0.0, cache_modifier=".cg")
+    a = tl.load(acc_ptr + part.to(tl.int64)[:, None] * HD + tl.arange(0, HD)[None, :],
+                mask=split[:, None], other=0.0, cache_modifier=".cg")
+    return m_b, l_b, a
 
 
 @triton.jit
@@ -1295,7 +1330,8 @@ def _qmatvec(xq, xd, p: Planes, bias, tile: tuple[int, int, int, int]):
         xq, xd, out, part, counts, bias if bias is not None else xd,
         *_plane_args(p, _words(p)), p.rows, xq.shape[1], nq // 4, ng, nsup,
         n_chunks, cps, splits, M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn, CH=ch,
-        HAS_BIAS=bias is not None, SPLIT_K=splits > 1, INTERP=_INTERPRETING,
+        HAS_BIAS=bias is not None, SPLIT_K=splits > 1, SPLITS=triton.next_power_of_2(splits),
+        INTERP=_INTERPRETING,
         PIPELINE=matvec_pipeline(n), num_warps=warps)
     return out
 
