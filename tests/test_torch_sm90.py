@@ -6,6 +6,7 @@ the three models' shapes, and programmatic dependent launches wait before they r
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -104,6 +105,26 @@ def test_split_k_combine_loads_every_partial_at_once():
     reset = min(compiled.lines(r"atom\.global\S*\.exch"))
     partials = [i for i in compiled.lines(r"ld\.global\.cg") if count < i < reset]
     assert len(partials) == meta["SPLITS"]
+
+
+def test_matvec_bias_loads_before_the_loop():
+    """Qwen's Q+K mat-vec (1,792 rows of Q4_K with their biases, one token, as PDL mode 2
+    launches it): no global load after the loop over K (its bias, loaded after the sums,
+    was a wait for memory of its own before 2026-11-28)."""
+    from edgellm.backends.torch import kernels
+
+    planes, xq, xd = offline_sm90._zero_matvec_inputs(1792, 1536, Q.Q4_K, 1)
+    bias = torch.zeros(1792)
+    launch = offline_sm90._recorded(lambda: kernels.qmatvec(xq, xd, planes, bias), 2)[0]
+    assert launch[2]["HAS_BIAS"]
+    compiled = offline_sm90.compile_launch(*launch)
+    lines = compiled.ptx.splitlines()
+    labels = {line.split(":")[0].strip(): i for i, line in enumerate(lines)
+              if line.startswith("$L__BB")}
+    back = [i for i, line in enumerate(lines) if (jump := re.search(r"bra\S*\s+(\$L__BB\w+)",
+            line)) and labels.get(jump.group(1), i) < i]  # (a loop's branch back)
+    assert back
+    assert not [i for i in compiled.lines(r"ld\.global") if i > max(back)]
 
 
 @pytest.mark.parametrize("tokens", [1, 8], ids=["decode", "speculative"])

@@ -434,12 +434,13 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
         _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask,
                           split * cps, c_end, nqw, ng, nsup, KIND)
     _await_inputs(PDL)
+    if HAS_BIAS:  # (loaded before the loop: after its sums' reductions, a wait of its own)
+        bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0)
     acc = _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask,
                     split * cps, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP,
                     PIPELINE)
     mcol = tl.arange(0, MP)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0)
         acc += tl.where(split == 0, bias, 0.0)[:, None]  # once, by the first split
     omask = rmask[:, None] & (mcol[None, :] < M)
     at = mcol[None, :] * N + rows[:, None]  # (BN, MP) in the (M, N) output

@@ -32,7 +32,7 @@ from edgellm.atomic import atomic_write_text
 log = logging.getLogger(__name__)
 
 #: bump when a kernel's code changes what a remembered choice is worth
-KERNELS_VERSION = 3
+KERNELS_VERSION = 4
 
 
 #: per CUDA device index: the peak of allocated memory before timing reset it
