@@ -57,6 +57,22 @@ class Compiled:
         rx = re.compile(pattern)
         return [i for i, line in enumerate(self.ptx.splitlines()) if rx.search(line)]
 
+    def last_to_finish(self) -> tuple[int, int]:
+        """(first, last) PTX lines of the work that the last program of a group does: after
+        its ticket (the first atomic add) and before the ticket's reset (the first
+        exchange): a split attention's combine, a split mat-vec's sum of partials."""
+        return (min(self.lines(r"atom\.global\S*\.add")),
+                min(self.lines(r"atom\.global\S*\.exch")))
+
+    def load_runs(self, loads: str, first: int, last: int) -> list[list[int]]:
+        """The lines matching ``loads`` between lines first and last, in runs that no
+        instruction waiting for them splits (a barrier, or a warp shuffle: a reduction's)."""
+        waits = [i for i in self.lines(r"bar\.sync|shfl\.sync") if first < i < last]
+        bounds = [first, *waits, last]
+        runs = [[i for i in self.lines(loads) if lo < i < hi]
+                for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        return [run for run in runs if run]
+
 
 def compile_launch(kernel, args: tuple, meta: dict) -> Compiled:
     """``kernel[grid](*args, **meta)`` compiled for sm_90 instead of launched."""

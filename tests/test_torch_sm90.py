@@ -53,14 +53,7 @@ def test_decode_attention_waits_for_memory_once_a_tile(model):
     barriers = compiled.lines(r"bar\.sync")
     tiles = compiled.lines(r"ld\.global\.v\d")  # the query, the cache's tiles, new rows
     assert len(tiles) >= 3 and min(b for b in barriers if b > tiles[0]) > tiles[-1]
-    count = min(compiled.lines(r"atom\.global\S*\.add"))  # the split's: then the combine
-    reset = min(compiled.lines(r"atom\.global\S*\.exch"))
-    combine = [i for i in compiled.lines(r"ld\.global\.cg") if count < i < reset]
-    waits = [i for i in compiled.lines(r"bar\.sync|shfl\.sync") if count < i < reset]
-    bounds = [count, *waits, reset]
-    runs = [[i for i in combine if lo < i < hi]
-            for lo, hi in zip(bounds, bounds[1:], strict=False)]
-    runs = [run for run in runs if run]
+    runs = compiled.load_runs(r"ld\.global\.cg", *compiled.last_to_finish())  # the combine
     values = set(compiled.lines(r"ld\.global\.cg\.v\d"))
     assert len(runs) == 2, runs
     assert all(values & set(run) and set(run) - values for run in runs), (runs, values)
@@ -101,9 +94,8 @@ def test_split_k_combine_loads_every_partial_at_once():
                                                                 (16, 8, 4, 16))
     assert meta["SPLIT_K"] and meta["SPLITS"] == 32
     compiled = offline_sm90.compile_launch(kernel, args, meta)
-    count = min(compiled.lines(r"atom\.global\S*\.add"))
-    reset = min(compiled.lines(r"atom\.global\S*\.exch"))
-    partials = [i for i in compiled.lines(r"ld\.global\.cg") if count < i < reset]
+    first, last = compiled.last_to_finish()
+    partials = [i for i in compiled.lines(r"ld\.global\.cg") if first < i < last]
     assert len(partials) == meta["SPLITS"]
 
 
