@@ -1352,13 +1352,14 @@ SAMPLE_BIASES = 128
 PROCESSING_WIDTHS = (PENALTY_WINDOW - 1 + SAMPLE_BIASES, PENALTY_WINDOW + SAMPLE_BIASES + 3)
 
 
-def samplable(params, vocab: int, history: bool = True) -> bool:
+def samplable(params, vocab: int, has_context: bool = True) -> bool:
     """Can the device draw params' tokens after ``_processed`` (logit bias, penalties over
-    the last PENALTY_WINDOW tokens at most; ``history`` False: the caller gave none, so
-    no penalties) and ``_sample`` (top-k of 1..SAMPLE_CANDIDATES, below the vocabulary, or
-    greedy over processed logits)? Not where only the argmax is wanted (``argmax_only``:
-    ``_greedy``'s, in the step's own graph)."""
-    window = not params.penalizes or (history and 0 < params.penalty_last_n <= PENALTY_WINDOW)
+    the last PENALTY_WINDOW tokens at most; ``has_context`` False: the caller gave no
+    tokens so far, which penalties need) and ``_sample`` (top-k of 1..SAMPLE_CANDIDATES,
+    below the vocabulary, or greedy over processed logits)? Not where only the argmax is
+    wanted (``argmax_only``: ``_greedy``'s, in the step's own graph)."""
+    window = not params.penalizes or (
+        has_context and 0 < params.penalty_last_n <= PENALTY_WINDOW)
     bias = len(params.logit_bias) <= SAMPLE_BIASES and all(
         0 <= token < vocab for token in params.logit_bias)
     chain = params.greedy or 0 < params.top_k <= min(SAMPLE_CANDIDATES, vocab - 1)
