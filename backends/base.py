@@ -132,6 +132,21 @@ class Backend(ABC):
         return (self.rope(q, positions, theta, neox, freq_factors, freq_scale),
                 self.rope(k, positions, theta, neox, freq_factors, freq_scale))
 
+    def project_qkv(self, x: Array, weights: tuple, biases: tuple, heads: tuple[int, int, int],
+                    positions: np.ndarray, theta: float, neox: bool,
+                    freq_factors: np.ndarray | None = None, freq_scale: float = 1.0,
+                    norms: tuple | None = None) -> tuple[Array, Array, Array]:
+        """Attention's inputs from x (n, d): queries (n, H, hd), keys and values (n, KVH,
+        hd), heads = (H, KVH, hd); ``weights`` and ``biases`` are Q's, K's and V's. The three
+        projections (``matmuls``), then ``rope_qk`` of q and k; a device backend may rotate
+        in the projections' own launch."""
+        n = x.shape[0]
+        n_heads, n_kv_heads, hd = heads
+        q, k, v = self.matmuls(x, weights, biases)
+        q, k = self.rope_qk(q.reshape(n, n_heads, hd), k.reshape(n, n_kv_heads, hd), positions,
+                            theta, neox, freq_factors, freq_scale, norms)
+        return q, k, v.reshape(n, n_kv_heads, hd)
+
     def residual(self, x: Array, h: Array, eps: float, h_norm: Array | None = None,
                  out_norm: Array | None = None) -> tuple[Array, Array | None]:
         """A residual sublayer's end: ``x + h`` (h RMS-normalised by ``h_norm`` first, where

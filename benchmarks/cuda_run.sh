@@ -20,7 +20,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests+plaintests llama bench anatomy pipeline pdl plainbench pdlprompt tune ab fusions ctx sampling engine profile prefill mem memwhere memctx matvec sweep"}
+STEPS=${STEPS:-"tests+plaintests llama bench anatomy pipeline pdl plainbench pdlprompt tune ab fusions qkv ctx sampling engine profile prefill mem memwhere memctx matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -196,7 +196,15 @@ step_pipeline() {
 step_ab() { decode_ab EDGELLM_FUSE_LAUNCHES "${AB_ORDER:-0 1 0 1}" "$LARGE" "$GEMMA"; }
 # decode: each of the newest fusions off alone (backend.FUSIONS), against all on (",")
 step_fusions() {
-    decode_ab EDGELLM_UNFUSE "${UNFUSE_ORDER:-, attention_blocks glu kv_write ,}" "$LARGE"
+    decode_ab EDGELLM_UNFUSE "${UNFUSE_ORDER:-, attention_blocks glu kv_write join rope ,}" \
+        "$LARGE"
+}
+# decode: the Q+K+V launch's fusions off/on together: V of another block type joined to the
+# Q+K stack's launch (the 1.5B's Q6_K V in 14 of its 28 layers) and RoPE in its epilogue
+# (every Qwen layer); the 1.5B, and Gemma (its Q8_0 V joined in 9 of 18 layers; its RoPE
+# stays a launch: its Q/K norms need whole heads)
+step_qkv() {
+    decode_ab EDGELLM_UNFUSE "${QKV_ORDER:-join,rope , join,rope ,}" "$LARGE" "$GEMMA"
 }
 
 # decode over a chat's cache (4096 slots: the default context) and a long one, against the

@@ -199,7 +199,7 @@ def anatomy(label: str, qtype, rows: int, cols: int, pdl: bool) -> str:
     x = torch.randn(1, cols, device="cuda")
     xq, xd = kernels.quantize_activations(x, 256 if qtype in K_QUANTS else 32, p.padded)
     (kernels.qmatvec_glu(xq, xd, p, False) if glu else kernels.qmatvec(xq, xd, p))  # tune
-    tile = kernels._matvec_tile("matvec_glu" if glu else "matvec", p, xq.device,
+    tile = kernels._matvec_tile("matvec_glu" if glu else "matvec", (p,), xq.device,
                                 _not_timed)  # (the choice just made; never a new one)
     mats = copies(p, max(2, min(64, COLD_BYTES // p.nbytes)))
     runs = [launches(m, xq, xd, tile, glu) for m in mats]

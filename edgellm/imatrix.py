@@ -2,10 +2,11 @@
 of every matmul weight, over calibration text (llama.cpp's imatrix method and file layout).
 
 Recording is a backend wrapper, off unless asked for: ``RecordingBackend`` forwards every op
-to the real backend and, for ``matmul``/``matmuls``, adds the input rows' squares to the
-weight's entry (weights are known by the name they were prepared under). The text is run in
-chunks of ``ctx`` tokens, each from an empty cache, as ``llama-imatrix`` does; the output
-matrix is left out, as llama-imatrix leaves it out by default.
+to the real backend and, for the ops that multiply by weights (``matmul``, ``matmuls``,
+``project_qkv``, ``gated_projection``), adds the input rows' squares to each weight's entry
+(weights are known by the name they were prepared under). The text is run in chunks of
+``ctx`` tokens, each from an empty cache, as ``llama-imatrix`` does; the output matrix is
+left out, as llama-imatrix leaves it out by default.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class RecordingBackend:
         for w in weights:
             self._record(x, w)
         return self._backend.matmuls(x, weights, biases)
+
+    def project_qkv(self, x: Any, weights: tuple, biases: tuple, *rope: Any) -> tuple:
+        for w in weights:
+            self._record(x, w)
+        return self._backend.project_qkv(x, weights, biases, *rope)
 
     def gated_projection(self, x: Any, w_gate: Any, w_up: Any, gelu: bool) -> Any:
         self._record(x, w_gate)

@@ -292,6 +292,78 @@ def test_qmatvec_glu_is_matvec_then_quantized_glu(qtype, F, cols, n, gelu):
     assert all(not c.any() for c in kernels._split_counters.values())
 
 
+@pytest.mark.parametrize("qa,qb,n", [(Q.Q4_K, Q.Q6_K, 1), (Q.Q5_0, Q.Q8_0, 3),
+                                     (Q.Q6_K, Q.Q4_K, 8)], ids=["q4k+q6k", "q50+q80", "q6k+q4k"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_qmatvec_joined_is_each_matrixs_matvec(qa, qb, n, with_bias, monkeypatch):
+    """Two matrices of different block types in one launch (A's row blocks, then B's; 48
+    and 40 rows in tiles of 16: each part's last block partial) give each matrix's own
+    qmatvec in the same tile, B's rows after A's, each with its own bias. The same bits in
+    the interpreter; on a GPU the two kernels may contract their sums their own way (as
+    the GLU's test says), so within 1e-4 of the largest."""
+    cols = 512
+    for q in (qa, qb):
+        monkeypatch.setitem(kernels.MATVEC_TILES, KINDS[q], (16, 8, 4))
+    a, b = (uploaded(random_tensor(q, rows, cols, seed=rows), rows, cols)
+            for q, rows in ((qa, 48), (qb, 40)))
+    assert kernels.joinable(a, b)
+    x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
+    xq, xd = kernels.quantize_activations(t(x), 256 if qa in K_QUANTS else 32, a.padded)
+    bias = t(np.linspace(-2, 2, 88, dtype=np.float32)) if with_bias else None
+    got = kernels.qmatvec_joined(xq, xd, a, b, bias)
+    want = torch.cat([kernels._qmatvec(xq, xd, p, None if bias is None else bias[part],
+                                       (16, 8, 4, 0))
+                      for p, part in ((a, slice(0, 48)), (b, slice(48, 88)))], dim=1)
+    assert got.shape == (n, 88)
+    if EXACT:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
+@pytest.mark.parametrize("n,bn", [(1, 64), (3, 4)], ids=["one-64", "three-4"])
+def test_qmatvec_rotates_q_and_k(neox, n, bn, monkeypatch):
+    """RoPE in the Q+K+V mat-vec's launch (``rope``) against the mat-vec, then
+    ``rope_qk``: Q's 4 heads and K's 2 (of 16) rotated at each token's angles after their
+    bias, V's 2 heads as they are; one stack of Q8_0 (``qmatvec``), and Q+K in Q4_K joined
+    to V in Q6_K (``qmatvec_joined``). Tiles of 64 rows (a program across the rotated
+    rows' end) and of 4 (NEOX: a program's two pairs each of rows 8 apart). The same bits
+    in the interpreter; on a GPU within 1e-4 of the largest."""
+    n_heads, n_kv_heads, hd = 4, 2, 16
+    n_rot, rows, cols = (n_heads + n_kv_heads) * hd, (n_heads + 2 * n_kv_heads) * hd, 256
+    for q in (Q.Q8_0, Q.Q4_K, Q.Q6_K):
+        monkeypatch.setitem(kernels.MATVEC_TILES, KINDS[q], (bn, 8, 4))
+    rng = np.random.default_rng(n)
+    angles = (np.arange(n) + 5.0)[:, None] * 10000.0 ** (-np.arange(0, hd, 2) / hd)
+    cos, sin = t(np.cos(angles).astype(np.float32)), t(np.sin(angles).astype(np.float32))
+    bias = t(rng.standard_normal(rows).astype(np.float32))
+    x = t(rng.standard_normal((n, cols)).astype(np.float32))
+
+    def rotated(out):  # the mat-vec's output, then rope_qk's launch
+        q, k = kernels.rope_qk(out[:, :n_heads * hd].reshape(n, n_heads, hd).contiguous(),
+                               out[:, n_heads * hd:n_rot].reshape(n, n_kv_heads, hd)
+                               .contiguous(), cos, sin, neox)
+        return torch.cat([q.reshape(n, -1), k.reshape(n, -1), out[:, n_rot:]], dim=1)
+
+    whole = uploaded(random_tensor(Q.Q8_0, rows, cols, seed=1), rows, cols)
+    xq, xd = kernels.quantize_activations(x, 32, whole.padded)
+    pairs = [(kernels.qmatvec(xq, xd, whole, bias, rope=(cos, sin, n_rot, neox)),
+              rotated(kernels.qmatvec(xq, xd, whole, bias)))]
+    a = uploaded(random_tensor(Q.Q4_K, n_rot, cols, seed=2), n_rot, cols)
+    b = uploaded(random_tensor(Q.Q6_K, rows - n_rot, cols, seed=3), rows - n_rot, cols)
+    xq, xd = kernels.quantize_activations(x, 256, a.padded)
+    pairs.append((kernels.qmatvec_joined(xq, xd, a, b, bias, rope=(cos, sin, n_rot, neox)),
+                  rotated(kernels.qmatvec_joined(xq, xd, a, b, bias))))
+    for got, want in pairs:
+        assert got.shape == (n, rows)
+        assert not torch.equal(got[:, :n_rot], want[:, :n_rot] * 0)  # (something rotated)
+        if EXACT:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_dequantize_and_gather(qtype):
     rows, cols = 21, (256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 96)
@@ -685,6 +757,44 @@ def test_matmuls_stack_neighbours_of_one_type(n, fused, monkeypatch):  # GEMM; f
     for want, got in zip(*outs, strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("unfused", ["", "join"], ids=["joined", "unfused"])
+def test_matmuls_join_two_block_types_in_one_launch(unfused, monkeypatch):
+    """Qwen's Q+K (Q4_K, stacked) and V (Q6_K) of one token with biases: one mat-vec
+    launch for all three (``qmatvec_joined``), their activations quantized once, the
+    results those of separate matmuls (the same bits in the interpreter);
+    EDGELLM_UNFUSE=join: the stack's launch and V's. Two tokens too: the 2-8 token
+    mat-vec joins alike."""
+    from edgellm.backends.torch.backend import TorchBackend
+
+    monkeypatch.setenv("EDGELLM_UNFUSE", unfused)
+    tensors = [random_tensor(q, rows, 512, seed=rows) for q, rows in
+               ((Q.Q4_K, 48), (Q.Q4_K, 16), (Q.Q6_K, 16))]
+    rng = np.random.default_rng(5)
+    biases = [rng.standard_normal(t_.shape[0]).astype(np.float32) for t_ in tensors]
+    be = TorchBackend(device=DEVICE, triton=not torch.cuda.is_available())
+    ws = [be.prepare(t_) for t_ in tensors]
+    bs = [be.asarray(b) for b in biases]
+    launched = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda kernel, *a, **k: (
+        launched.append(kernel.fn.__name__), launch(kernel, *a, **k)))
+    for n in (1, 2):
+        x = be.asarray(rng.standard_normal((n, 512)).astype(np.float32))
+        launched.clear()
+        got = be.matmuls(x, ws, bs)
+        mat_vecs = [name for name in launched if name.startswith("_qmv")]
+        assert mat_vecs == (["_qmv_kernel", "_qmv_kernel"] if unfused
+                            else ["_qmv_joined_kernel"])
+        assert launched.count("_quantize_kernel") == 1
+        want = [be.matmul(x, w, b) for w, b in zip(ws, bs, strict=True)]
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape
+            if EXACT:
+                assert torch.equal(g, w)
+            else:
+                torch.testing.assert_close(g, w, rtol=0, atol=1e-4 * w.abs().max().item())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's workspace: CUDA")

@@ -54,10 +54,10 @@ def test_decode_teacher_forced_matches_llama_cpp(model_path, name):
 
 
 def _tiny_net(tmp_path, qtype, backend, window: int = 0, small: bool = False,
-              layers: int | None = None):
+              layers: int | None = None, v_qtype=None):
     """A tiny random Llama (d 256, 3 layers, GQA; ``small``: d 64, 1 layer; ``layers``
-    overrides) of ``qtype`` blocks on ``backend``; ``window``: every layer a sliding-window
-    layer of that size."""
+    overrides) of ``qtype`` blocks (V of ``v_qtype`` where given) on ``backend``;
+    ``window``: every layer a sliding-window layer of that size."""
     from dataclasses import replace
 
     from edgellm.converters.gguf_reader import read_gguf
@@ -66,8 +66,9 @@ def _tiny_net(tmp_path, qtype, backend, window: int = 0, small: bool = False,
 
     cfg = TinyConfig(d_model=64 if small else 256, n_heads=4, n_kv_heads=2,
                      d_ff=128 if small else 512, n_layers=layers or (1 if small else 3),
-                     qtype=qtype)
-    path = tmp_path / f"tiny-{qtype.name}{'-small' if small else ''}-{cfg.n_layers}.gguf"
+                     qtype=qtype, qtypes=(("attn_v", v_qtype),) if v_qtype else ())
+    v_name = f"-v-{v_qtype.name}" if v_qtype else ""
+    path = tmp_path / f"tiny-{qtype.name}{v_name}{'-small' if small else ''}-{cfg.n_layers}.gguf"
     if not path.exists():
         write_tiny_llama(path, cfg)
     gguf = read_gguf(path)
@@ -422,16 +423,18 @@ def test_streams_of_two_caches_taken_in_turns_get_their_solo_tokens(tmp_path):
 @pytest.mark.skipif(CUDA, reason="counts the eager twin's launches (on CUDA: one replay)")
 @pytest.mark.parametrize("unfuse,extra", [("", None), ("glu", "_then_q8_kernel"),
                                           ("kv_write", "_store_kv_kernel"),
-                                          ("attention_blocks", "_quantize_kernel")])
+                                          ("attention_blocks", "_quantize_kernel"),
+                                          ("rope", "_rope_qk_kernel")])
 def test_decode_step_launches(tmp_path, monkeypatch, unfuse, extra):
-    """A graph's decode step on the GPU path (here its eager twin in the interpreter) is 8
+    """A graph's decode step on the GPU path (here its eager twin in the interpreter) is 7
     triton launches a layer when Q, K and V share a type, and no torch arithmetic between
-    them: the chained blocks' residual launches apply the next norm (no add, no norm
-    launch), attention writes the output projection's blocks (no quantize launch) and
-    stores the step's keys and values (no KV write launch), and the gate+up mat-vec
-    applies the GLU and writes the down projection's blocks (no GLU launch). Around the
-    layers: the embedding row, the first norm, the output mat-vec. Each fusion that
-    EDGELLM_UNFUSE turns off costs one launch a layer, the kernel it had saved."""
+    them: the Q+K+V mat-vec rotates Q and K (no RoPE launch), the chained blocks' residual
+    launches apply the next norm (no add, no norm launch), attention writes the output
+    projection's blocks (no quantize launch) and stores the step's keys and values (no KV
+    write launch), and the gate+up mat-vec applies the GLU and writes the down
+    projection's blocks (no GLU launch). Around the layers: the embedding row, the first
+    norm, the output mat-vec. Each fusion that EDGELLM_UNFUSE turns off costs one launch a
+    layer, the kernel it had saved."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from edgellm.backends.torch import kernels
@@ -461,11 +464,41 @@ def test_decode_step_launches(tmp_path, monkeypatch, unfuse, extra):
         net.forward(np.array([5]), cache)
     assert not arithmetic, arithmetic
     # (one _then_q8_kernel before the layers: the first norm)
-    fused_away = {"_quantize_kernel": 0, "_store_kv_kernel": 0, "_then_q8_kernel": 1}
+    fused_away = {"_quantize_kernel": 0, "_store_kv_kernel": 0, "_then_q8_kernel": 1,
+                  "_rope_qk_kernel": 0}
     for name, count in fused_away.items():
         assert launched.count(name) == count + (layers if name == extra else 0), launched
     assert launched.count("_qmv_glu_kernel") == (0 if unfuse == "glu" else layers), launched
-    assert len(launched) == (8 + bool(extra)) * layers + 3, launched
+    assert len(launched) == (7 + bool(extra)) * layers + 3, launched
+
+
+@pytest.mark.skipif(CUDA, reason="counts the eager twin's launches (on CUDA: one replay)")
+def test_decode_step_joins_v_of_another_type(tmp_path, monkeypatch):
+    """V in another block type than Q and K (Q5_0 beside Q8_0; Q6_K beside Q4_K in half the
+    1.5B's layers): a graph's decode step (its eager twin in the interpreter) still takes 7
+    launches a layer, the Q+K stack (rotating Q and K) and V in one
+    (``_qmv_joined_kernel``); with EDGELLM_UNFUSE=join 8, the two mat-vecs apart. The
+    logits are the same bits."""
+    from edgellm.backends.torch import kernels
+    from edgellm.quants import Q
+
+    layers, logits = 3, []
+    for unfuse in ("", "join"):
+        monkeypatch.setenv("EDGELLM_UNFUSE", unfuse)
+        backend = _graph_backend(triton=True)
+        net = _tiny_net(tmp_path, Q.Q8_0, backend, small=True, layers=layers,
+                        v_qtype=Q.Q5_0)
+        cache = net.make_cache(64)
+        net.forward(np.arange(1, 17), cache)
+        net.forward(np.array([4]), cache)  # the decode bucket's first step: warm-up runs too
+        with monkeypatch.context() as patch:
+            launched = _count_launches(patch, kernels)
+            logits.append(net.forward(np.array([5]), cache))
+        joined = launched.count("_qmv_joined_kernel")
+        assert joined == (0 if unfuse else layers), launched
+        assert launched.count("_rope_qk_kernel") == 0, launched
+        assert len(launched) == (8 if unfuse else 7) * layers + 3, launched
+    np.testing.assert_array_equal(logits[0], logits[1])
 
 
 @pytest.mark.skipif(CUDA, reason="counts eager launches in the interpreter")

@@ -99,16 +99,20 @@ def test_split_k_combine_loads_every_partial_at_once():
     assert len(partials) == meta["SPLITS"]
 
 
-def test_matvec_bias_loads_before_the_loop():
+@pytest.mark.parametrize("rope", [False, True], ids=["", "rope"])
+def test_matvec_bias_loads_before_the_loop(rope):
     """Qwen's Q+K mat-vec (1,792 rows of Q4_K with their biases, one token, as PDL mode 2
-    launches it): no global load after the loop over K (its bias, loaded after the sums,
-    was a wait for memory of its own before 2026-11-28)."""
+    launches it; ``rope``: rotating them, NEOX, in its epilogue): no global load after the
+    loop over K (its bias, loaded after the sums, was a wait for memory of its own before
+    2026-11-28; the angles load with it)."""
     from edgellm.backends.torch import kernels
 
     planes, xq, xd = offline_sm90._zero_matvec_inputs(1792, 1536, Q.Q4_K, 1)
     bias = torch.zeros(1792)
-    launch = offline_sm90._recorded(lambda: kernels.qmatvec(xq, xd, planes, bias), 2)[0]
-    assert launch[2]["HAS_BIAS"]
+    angles = (torch.zeros(1, 64), torch.zeros(1, 64), 1792, True) if rope else None
+    launch = offline_sm90._recorded(lambda: kernels.qmatvec(xq, xd, planes, bias,
+                                                            rope=angles), 2)[0]
+    assert launch[2]["HAS_BIAS"] and launch[2]["ROPE"] == (1 if rope else 0)
     compiled = offline_sm90.compile_launch(*launch)
     lines = compiled.ptx.splitlines()
     labels = {line.split(":")[0].strip(): i for i, line in enumerate(lines)
@@ -131,6 +135,33 @@ def test_decode_matvec_keeps_to_registers(rows, cols, qtype, tokens):
     assert compiled.spilt_bytes == 0, compiled.registers
 
 
+@pytest.mark.parametrize("tokens", [1, 8], ids=["decode", "speculative"])
+@pytest.mark.parametrize("a,b,cols,hd", [((Q.Q4_K, 1792), (Q.Q6_K, 256), 1536, 128),
+                                         ((Q.Q5_0, 1024), (Q.Q8_0, 128), 896, 64)],
+                         ids=["qkv-1.5b", "qkv-0.5b"])
+def test_joined_matvec_keeps_to_registers(a, b, cols, hd, tokens):
+    """Q+K and V of two block types in one launch (``qmatvec_joined``, with the biases,
+    PDL mode 2, the default tile; both types' loops compiled in, one runs), and rotating Q
+    and K in it: nothing spilt. (It may take more registers than either alone: at the
+    1.5B's default tile 56 against 48 and 48 for one token under triton 3.9, 2026-11-29.)"""
+    from edgellm.backends.torch import kernels
+
+    (pa, xq, xd), (pb, _, _) = (offline_sm90._zero_matvec_inputs(rows, cols, q, tokens)
+                                for q, rows in (a, b))
+    bias = torch.zeros(pa.rows + pb.rows)
+    angles = torch.zeros(tokens, hd // 2)
+    joined, rotating, alone_a, alone_b = offline_sm90.compile_specs([
+        offline_sm90.launch_spec(*offline_sm90._recorded(work, 2)[0]) for work in (
+            lambda: kernels.qmatvec_joined(xq, xd, pa, pb, bias),
+            lambda: kernels.qmatvec_joined(xq, xd, pa, pb, bias,
+                                           rope=(angles, angles, pa.rows, True)),
+            lambda: kernels.qmatvec(xq, xd, pa, bias[:pa.rows]),
+            lambda: kernels.qmatvec(xq, xd, pb, bias[pa.rows:]))])
+    print(f"joined {joined.registers} registers ({rotating.registers} rotating Q and K), "
+          f"alone {alone_a.registers} and {alone_b.registers}")
+    assert joined.spilt_bytes == 0 and rotating.spilt_bytes == 0, joined.registers
+
+
 @pytest.mark.parametrize("model", list(HEADS))
 def test_prompt_attention_has_tiles_that_keep_to_registers(model):
     """The flash prompt attention's tiles a GPU times, over a 512-token prompt at each
@@ -149,8 +180,9 @@ def test_prompt_attention_has_tiles_that_keep_to_registers(model):
 def test_dependent_launches_wait_before_they_read(tmp_path, monkeypatch):
     """Every triton kernel, compiled as a programmatic dependent launch with the weights
     prefetched (EDGELLM_PDL=2) from its first launch in a tiny model's prompt and decode
-    step (launch fusions on, then off, the KV write its own launch, with the fused
-    dequantize-GEMM; and a prompt's flash attention): the PTX waits for the launch before
+    step (launch fusions on, V in another block type, joined to Q and K's launch; then
+    off, the KV write its own launch, with the fused dequantize-GEMM; and a prompt's flash
+    attention): the PTX waits for the launch before
     (``griddepcontrol.wait``) before any load, store or atomic, only L2 prefetches come
     before the wait, and the next launch is let in after it. As plain launches (0), in the
     tiles a GPU launches (the interpreter's take more rows a program): no grid dependency
@@ -168,7 +200,8 @@ def test_dependent_launches_wait_before_they_read(tmp_path, monkeypatch):
         monkeypatch.setenv("EDGELLM_FUSED_GEMM", str(int(not fused)))
         monkeypatch.setenv("EDGELLM_UNFUSE", "" if fused else "kv_write")
         backend = _graph_backend(triton=True)  # (no GPU: the graphs' steps run eagerly)
-        net = _tiny_net(tmp_path, Q.Q4_0, backend, small=True)
+        net = _tiny_net(tmp_path, Q.Q4_0, backend, small=True,
+                        v_qtype=Q.Q8_0 if fused else None)
         cache = net.make_cache(64)
         net.forward(np.arange(1, 9), cache)
         for kernel, args, meta in offline_sm90._recorded(prompt_and_step, pdl=2, run=True):

@@ -29,6 +29,9 @@ class TinyConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32
+    #: (part of a tensor's name, its type) where it is not ``qtype`` (V of another type, as
+    #: half the layers of llama.cpp's Q4_K_M files have it)
+    qtypes: tuple[tuple[str, GGMLQuantizationType], ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -133,10 +136,11 @@ def write_tiny_llama(path: str | Path, cfg: TinyConfig = TinyConfig(), seed: int
     w.add_add_bos_token(True)
     w.add_add_space_prefix(True)
     for name, t in gguf_tensors(cfg, hf_weights(cfg, seed)).items():
-        if t.ndim == 1 or cfg.qtype == GGMLQuantizationType.F32:
+        qtype = next((q for part, q in cfg.qtypes if part in name), cfg.qtype)
+        if t.ndim == 1 or qtype == GGMLQuantizationType.F32:
             w.add_tensor(name, t)
         else:
-            w.add_tensor(name, quantize(t, cfg.qtype), raw_dtype=cfg.qtype)
+            w.add_tensor(name, quantize(t, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -115,8 +115,10 @@ def _stackable(a: TorchWeight, b: TorchWeight) -> bool:
 
 
 #: the decode fusions EDGELLM_UNFUSE may turn off: the output projection's blocks written
-#: by attention, the gate+up mat-vec's GLU, the KV write in attention's launch
-FUSIONS = ("attention_blocks", "glu", "kv_write")
+#: by attention, the gate+up mat-vec's GLU, the KV write in attention's launch, two block
+#: types' mat-vecs of one input in one launch (``_joined``), RoPE in the Q+K+V mat-vec
+#: (``project_qkv``)
+FUSIONS = ("attention_blocks", "glu", "kv_write", "join", "rope")
 
 
 def _unfused(names: str) -> frozenset[str]:
@@ -210,6 +212,7 @@ class TorchBackend(Backend):
         self._consts: dict[tuple, torch.Tensor] = {}  # rope frequencies etc., on the device
         self._rope_memo: tuple = (None, {})  # (positions object, {params: (cos, sin)})
         self._stacks: dict[tuple, tuple] = {}  # matmuls' weight ids -> (weights, _stacked plan)
+        self._joins: dict[tuple, tuple] = {}  # a plan's weight ids -> _joined's (a, b, bias)
         # the last norm or GLU output quantized in its own launch: (tensor, {block: blocks})
         self._prequantized: tuple = (None, {})
         # False while attention_batch copies its parts' outputs (blocks would be dropped)
@@ -370,8 +373,16 @@ class TorchBackend(Backend):
         x = self.asarray(x).contiguous()
         biases = biases or (None,) * len(weights)
         done: dict = {}
+        plan = self._stacked(tuple(weights), tuple(biases))
+        if (joined := self._joined(plan)) is not None:
+            xa = self._activations(x, plan[0][0], done)
+            if isinstance(xa, tuple):  # the int8 mat-vec: both block types in one launch
+                a, b, bias = joined
+                out = self.kernels.qmatvec_joined(*xa, a.planes, b.planes, bias)
+                rows = [m.rows for w, _, members in plan for m, _ in members or ((w, None),)]
+                return list(torch.split(out, rows, dim=1))
         outs = []
-        for w, b, members in self._stacked(tuple(weights), tuple(biases)):
+        for w, b, members in plan:
             xa = self._activations(x, w, done)
             if members is None:
                 outs.append(self._multiply(xa, w, b))
@@ -381,6 +392,56 @@ class TorchBackend(Backend):
             else:
                 outs += [self._multiply(xa, m, mb) for m, mb in members]
         return outs
+
+    def project_qkv(self, x, weights, biases, heads, positions, theta, neox,
+                    freq_factors=None, freq_scale=1.0, norms=None):
+        """On the GPU path, up to 8 tokens, Q and K stacked first and no Q/K norms: RoPE
+        in the stack's mat-vec launch, each program rotating the pairs of rows it took
+        (``kernels.qmatvec(rope=...)``), V's rows in the same launch where they are the
+        stack's or joined to it (``_joined``); else the projections, then ``rope_qk``."""
+        x = self.asarray(x)
+        plan = self._rotatable(x, tuple(weights), tuple(biases), heads, norms)
+        if plan is None:
+            return super().project_qkv(x, weights, biases, heads, positions, theta, neox,
+                                       freq_factors, freq_scale, norms)
+        x = x.contiguous()
+        n, (n_heads, n_kv_heads, hd) = x.shape[0], heads
+        cos, sin = self.rope_tables(positions, hd, theta, freq_factors, freq_scale)
+        rope = (cos, sin, (n_heads + n_kv_heads) * hd, neox)
+        done: dict = {}
+        xq, xd = self._activations(x, plan[0][0], done)
+        joined = self._joined(plan)
+        if joined is not None:  # Q, K and V in one launch
+            a, b, bias = joined
+            out = self.kernels.qmatvec_joined(xq, xd, a.planes, b.planes, bias, rope=rope)
+            q, k, v = torch.split(out, [n_heads * hd, n_kv_heads * hd, n_kv_heads * hd], dim=1)
+        else:  # the stack's launch (Q, K and V, or Q and K), then V's (EDGELLM_UNFUSE=join)
+            first, bias, members = plan[0]
+            out = self.kernels.qmatvec(xq, xd, first.planes, bias, rope=rope)
+            q, k, *v = torch.split(out, [m.rows for m, _ in members], dim=1)
+            v = v[0] if v else self._multiply(self._activations(x, plan[1][0], done),
+                                              plan[1][0], plan[1][1])
+        return (q.reshape(n, n_heads, hd), k.reshape(n, n_kv_heads, hd),
+                v.reshape(n, n_kv_heads, hd))
+
+    def _rotatable(self, x, weights: tuple, biases: tuple, heads: tuple,
+                   norms) -> list | None:
+        """``project_qkv``'s plan where its mat-vec can rotate Q and K (see there), else
+        None: Q and K are the first rows of the plan's first matrix (one stack with V, or
+        a stack beside V's matrix), K unsplit, and the angles' pairs whole (a power of two
+        head size, as ``rope_qk``'s kernel takes)."""
+        hd = heads[2]
+        if (not self._fused() or "rope" in self.unfused or norms is not None
+                or x.dim() != 2 or x.shape[0] > self.kernels.MATVEC_MAX_TOKENS
+                or hd & (hd - 1)):
+            return None
+        plan = self._stacked(weights, biases)
+        first, _, members = plan[0]
+        if (members is None or members[0][0] is not weights[0] or members[1][0] is not weights[1]
+                or first.planes.padded // CHUNK >= self.kernels.SPLIT_MIN_CHUNKS
+                or len(plan) > 2):
+            return None
+        return plan
 
     def _stacked(self, weights: tuple, biases: tuple) -> list:
         """(weight, bias, members or None) per matmul that ``matmuls`` runs: neighbouring
@@ -406,6 +467,30 @@ class TorchBackend(Backend):
             i = j
         self._stacks[key] = (weights, plan)  # the weights kept: their ids stay theirs
         return plan
+
+    def _joined(self, plan: list) -> tuple | None:
+        """For a ``_stacked`` plan of two mat-vecs of different block types that one input's
+        8-bit blocks serve (the 1.5B's Q+K in Q4_K and V in Q6_K, half its layers; the
+        0.5B's Q5_0 and Q8_0): (a, b, bias or None) for ``kernels.qmatvec_joined``'s one
+        launch (a launch less a layer); else None. Made once, outside a CUDA graph's
+        capture (the bias allocates)."""
+        if len(plan) != 2 or not self._fused() or "join" in self.unfused:
+            return None
+        key = tuple(id(w) for w, _, _ in plan)
+        if key in self._joins:
+            return self._joins[key]
+        (a, ba, _), (b, bb, _) = plan
+        if (a.planes is None or b.planes is None or a.qtype == b.qtype
+                or self._act_block(a.qtype) != self._act_block(b.qtype)
+                or not self.kernels.joinable(a.planes, b.planes)
+                or (self.cuda and torch.cuda.is_current_stream_capturing())):
+            return None
+        bias = None
+        if ba is not None or bb is not None:
+            bias = torch.cat([v if v is not None else torch.zeros(w.rows, device=self.device)
+                              for w, v in ((a, ba), (b, bb))])
+        joined = self._joins[key] = (a, b, bias)  # the weights kept: their ids stay theirs
+        return joined
 
     def _stack(self, weights: tuple, biases: tuple) -> tuple:
         whole, views = stack_rows([w.planes for w in weights], torch.cat)

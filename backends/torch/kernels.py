@@ -412,11 +412,57 @@ def _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c
 
 
 @triton.jit
+def _rope_order(t, n_rot, HALF: tl.constexpr, ROPE: tl.constexpr):
+    """The rows that a mat-vec's tile positions t (BN,) take where its epilogue rotates the
+    first n_rot rows (heads of 2 HALF rows: Q's and K's) as RoPE pairs (``_rotated``):
+    positions 2i and 2i + 1 take a pair, a head's rows j and j + HALF (ROPE 1: NEOX) or 2j
+    and 2j + 1 (ROPE 2: the rows as they are); past n_rot, and without ROPE, the rows as
+    they are."""
+    if ROPE == 1:
+        pair = t // 2
+        rows = (pair // HALF) * (2 * HALF) + pair % HALF + (t % 2) * HALF
+        return tl.where(t < n_rot, rows, t)
+    else:
+        return t
+
+
+@triton.jit
+def _pair_angles(cos_ptr, sin_ptr, rows, n_rot, M, HALF: tl.constexpr, ROPE: tl.constexpr,
+                 BN: tl.constexpr, MP: tl.constexpr):
+    """cos and sin (BN / 2, MP) of the pair at each two positions of ``rows`` (as
+    ``_rope_order`` gives them) for each token: its angle of cos/sin (M, HALF) (1 and 0
+    past n_rot)."""
+    first, _ = tl.split(tl.reshape(rows, (BN // 2, 2)))  # (BN / 2,) each pair's first row
+    j = first % (2 * HALF)
+    if ROPE == 2:
+        j = j // 2
+    m = tl.arange(0, MP)
+    at = m[None, :] * HALF + j[:, None]
+    ok = (first < n_rot)[:, None] & (m < M)[None, :]
+    return (tl.load(cos_ptr + at, mask=ok, other=1.0),
+            tl.load(sin_ptr + at, mask=ok, other=0.0))
+
+
+@triton.jit
+def _rotated(acc, rows, n_rot, cos, sin, BN: tl.constexpr, MP: tl.constexpr):
+    """acc (BN, MP) with its rows in RoPE pairs at positions 2i, 2i + 1 (``_rope_order``):
+    each pair (a, b) of rows below n_rot rotated as _rope_kernel rotates it, (a cos - b sin,
+    a sin + b cos), by ``_pair_angles``' cos and sin (BN / 2, MP); the rest as it is."""
+    a, b = tl.split(tl.permute(tl.reshape(acc, (BN // 2, 2, MP)), (0, 2, 1)))
+    first, _ = tl.split(tl.reshape(rows, (BN // 2, 2)))
+    turn = (first < n_rot)[:, None]
+    a2 = tl.where(turn, a * cos - b * sin, a)
+    b2 = tl.where(turn, a * sin + b * cos, b)
+    return tl.reshape(tl.permute(tl.join(a2, b2), (0, 2, 1)), (BN, MP))
+
+
+@triton.jit
 def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, qh_ptr, s_ptr,
-                m_ptr, d_ptr, dm_ptr, N, KW, nqw, ng, nsup, n_chunks, cps, n_splits,
-                M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr, BN: tl.constexpr,
-                CH: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                SPLITS: tl.constexpr, INTERP: tl.constexpr, PIPELINE: tl.constexpr,
+                m_ptr, d_ptr, dm_ptr, cos_ptr, sin_ptr, N, KW, nqw, ng, nsup, n_chunks, cps,
+                n_splits, n_rot, M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr,
+                BN: tl.constexpr, CH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SPLIT_K: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr,
+                HALF: tl.constexpr, INTERP: tl.constexpr, PIPELINE: tl.constexpr,
                 PDL: tl.constexpr):
     """out (M, N) = x @ W.T with x as int8 blocks: xq (M, KW) int32 words of 4 int8 values,
     xd (M, KW / 8) f32 the scale of each 32 values, CH chunks a step (``_qmv_rows``).
@@ -424,24 +470,32 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
     split of K when rows alone give too few programs): its partial sums go to part[j], and
     the last split of a row block to finish (a counter per block) adds them up in split
     order, so the result does not depend on which finished first (SPLITS: a power of two
-    of at least n_splits, the combine's unrolled loads)."""
+    of at least n_splits, the combine's unrolled loads). ROPE (unsplit; 1: NEOX, 2: adjacent
+    pairs): the first n_rot rows, Q's and K's heads of 2 HALF, rotated by the angles of
+    cos/sin (M, HALF) (as ``rope_qk`` rotates them, the bias added first), each program
+    taking whole pairs (``_rope_order``)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     c_end = tl.minimum(split * cps + cps, n_chunks)
-    rows = pid * BN + tl.arange(0, BN)
-    rmask = rows < N
+    t = pid * BN + tl.arange(0, BN)  # (BN,) the tile's positions
+    rows = _rope_order(t, n_rot, HALF, ROPE)
+    rmask = t < N
     if PDL == 2:
         _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask,
                           split * cps, c_end, nqw, ng, nsup, KIND)
     _await_inputs(PDL)
     if HAS_BIAS:  # (loaded before the loop: after its sums' reductions, a wait of its own)
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0)
+    if ROPE:  # (the angles too)
+        cos, sin = _pair_angles(cos_ptr, sin_ptr, rows, n_rot, M, HALF, ROPE, BN, MP)
     acc = _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask,
                     split * cps, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP,
                     PIPELINE)
     mcol = tl.arange(0, MP)
     if HAS_BIAS:
         acc += tl.where(split == 0, bias, 0.0)[:, None]  # once, by the first split
+    if ROPE:
+        acc = _rotated(acc, rows, n_rot, cos, sin, BN, MP)
     omask = rmask[:, None] & (mcol[None, :] < M)
     at = mcol[None, :] * N + rows[:, None]  # (BN, MP) in the (M, N) output
     if SPLIT_K:
@@ -460,6 +514,57 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch
     else:
         tl.store(out_ptr + at, acc, mask=omask)
+
+
+@triton.jit
+def _qmv_joined_kernel(xq_ptr, xd_ptr, out_ptr, bias_ptr, qa_ptr, qha_ptr, sa_ptr, ma_ptr,
+                       da_ptr, dma_ptr, qb_ptr, qhb_ptr, sb_ptr, mb_ptr, db_ptr, dmb_ptr,
+                       cos_ptr, sin_ptr, NA, NB, KW, nqwa, nga, nsupa, nqwb, ngb, nsupb,
+                       n_chunks, n_rot, M: tl.constexpr, MP: tl.constexpr,
+                       KIND_A: tl.constexpr, KIND_B: tl.constexpr, BN: tl.constexpr,
+                       CH: tl.constexpr, HAS_BIAS: tl.constexpr, ROPE: tl.constexpr,
+                       HALF: tl.constexpr, INTERP: tl.constexpr, PIPELINE: tl.constexpr,
+                       PDL: tl.constexpr):
+    """out (M, NA + NB) = x @ [A; B].T for two matrices of one width but different block
+    types (Qwen's Q+K in Q4_K and V in Q6_K) in one launch: programs 0.. take A's row
+    blocks as ``_qmv_kernel`` does (unsplit), the rest B's, whose rows go to out's columns
+    NA..; each row's sums are those of its own matrix's mat-vec in this tile. ROPE: A's
+    first n_rot rows rotated as ``_qmv_kernel`` rotates them."""
+    pid = tl.program_id(0)
+    blocks_a = tl.cdiv(NA, BN)
+    in_a = pid < blocks_a
+    t = tl.where(in_a, pid, pid - blocks_a) * BN + tl.arange(0, BN)  # (BN,) positions
+    n_rot = tl.where(in_a, n_rot, 0)  # (none of B's rows)
+    local = _rope_order(t, n_rot, HALF, ROPE)  # (BN,) its own matrix's rows
+    rmask = t < tl.where(in_a, NA, NB)
+    if PDL == 2:
+        if in_a:
+            _prefetch_weights(qa_ptr, qha_ptr, sa_ptr, ma_ptr, da_ptr, dma_ptr, local, rmask,
+                              0, n_chunks, nqwa, nga, nsupa, KIND_A)
+        else:
+            _prefetch_weights(qb_ptr, qhb_ptr, sb_ptr, mb_ptr, db_ptr, dmb_ptr, local, rmask,
+                              0, n_chunks, nqwb, ngb, nsupb, KIND_B)
+    _await_inputs(PDL)
+    rows = local + tl.where(in_a, 0, NA)  # (BN,) out's columns
+    if HAS_BIAS:  # (loaded before the loop, as _qmv_kernel's)
+        bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0)
+    if ROPE:
+        cos, sin = _pair_angles(cos_ptr, sin_ptr, local, n_rot, M, HALF, ROPE, BN, MP)
+    if in_a:
+        acc = _qmv_rows(xq_ptr, xd_ptr, qa_ptr, qha_ptr, sa_ptr, ma_ptr, da_ptr, dma_ptr,
+                        local, rmask, 0, n_chunks, KW, nqwa, nga, nsupa, M, MP, KIND_A, BN,
+                        CH, INTERP, PIPELINE)
+    else:
+        acc = _qmv_rows(xq_ptr, xd_ptr, qb_ptr, qhb_ptr, sb_ptr, mb_ptr, db_ptr, dmb_ptr,
+                        local, rmask, 0, n_chunks, KW, nqwb, ngb, nsupb, M, MP, KIND_B, BN,
+                        CH, INTERP, PIPELINE)
+    if HAS_BIAS:
+        acc += bias[:, None]
+    if ROPE:
+        acc = _rotated(acc, local, n_rot, cos, sin, BN, MP)
+    mcol = tl.arange(0, MP)
+    omask = rmask[:, None] & (mcol[None, :] < M)
+    tl.store(out_ptr + mcol[None, :] * (NA + NB) + rows[:, None], acc, mask=omask)
 
 
 @triton.jit
@@ -1183,17 +1288,21 @@ def matvec_candidates(n_chunks: int) -> tuple[tuple[int, int, int, int], ...]:
                  for ch in steps)
 
 
-def _matvec_tile(op: str, p: Planes, device, run) -> tuple[int, int, int, int]:
-    """The tile for ``op`` ("matvec", "matvec_glu") over p: MATVEC_TILES' or
-    ``matvec_tile``'s, or on a GPU the fastest of ``matvec_candidates`` (``run(tile)``
-    launches one; timed once per shape, at the first token count met, usually decode's
-    one: a tile per count would compile every candidate for each of 1..8 tokens)."""
-    n_chunks = p.padded // CHUNK
-    bn, ch, warps = MATVEC_TILES.get(p.kind) or matvec_tile(p.rows, n_chunks)
+def _matvec_tile(op: str, parts: tuple[Planes, ...], device,
+                 run) -> tuple[int, int, int, int]:
+    """The tile for ``op`` ("matvec", "matvec_glu", "matvec_joined") over the matrices
+    ``parts`` (one launch): MATVEC_TILES' or ``matvec_tile``'s, or on a GPU the fastest of
+    ``matvec_candidates`` (``run(tile)`` launches one; timed once per shape, at the first
+    token count met, usually decode's one: a tile per count would compile every candidate
+    for each of 1..8 tokens)."""
+    n_chunks = parts[0].padded // CHUNK
+    fixed = next((MATVEC_TILES[p.kind] for p in parts if p.kind in MATVEC_TILES), None)
+    bn, ch, warps = fixed or matvec_tile(sum(p.rows for p in parts), n_chunks)
     tile = bn, ch, warps, (PROGRAMS_PER_SM if n_chunks >= SPLIT_MIN_CHUNKS else 0)
-    if p.kind in MATVEC_TILES:  # (a sweep's or a test's: not timed)
+    if fixed:  # (a sweep's or a test's: not timed)
         return tile
-    key = (op, p.kind, p.rows, n_chunks) + (() if matvec_pipeline(1) else ("unpipelined",))
+    shape = tuple(x for p in parts for x in (p.kind, p.rows))
+    key = (op, *shape, n_chunks) + (() if matvec_pipeline(1) else ("unpipelined",))
     return tuning.choose(device, key, matvec_candidates(n_chunks), run, tile)
 
 
@@ -1293,13 +1402,25 @@ def quantize_activations(x, block: int, padded: int):
     return q.view(torch.int32), d
 
 
-def qmatvec(xq, xd, p: Planes, bias=None):
+def qmatvec(xq, xd, p: Planes, bias=None, rope: tuple | None = None):
     """x @ W.T (+ bias) -> (n, N) f32 for n <= 8 tokens, x as ``quantize_activations``
     gives it (blocks of the size the weight type is multiplied with). On a GPU the tile is
-    the fastest of ``matvec_candidates`` for this matrix shape (timed once)."""
-    # (timed without the bias: the same speed, and no compile of each candidate twice)
-    tile = _matvec_tile("matvec", p, xq.device, lambda t: _qmatvec(xq, xd, p, None, t))
-    return _qmatvec(xq, xd, p, bias, tile)
+    the fastest of ``matvec_candidates`` for this matrix shape (timed once). ``rope`` =
+    (cos, sin (n, hd / 2) f32, n_rot, neox): the first n_rot outputs (Q's and K's heads of
+    hd) rotated as ``rope_qk`` rotates them, in the same launch (K unsplit)."""
+    # (timed without the bias and RoPE: the same speed, and no compile of each candidate
+    # twice)
+    tile = _matvec_tile("matvec", (p,), xq.device, lambda t: _qmatvec(xq, xd, p, None, t))
+    return _qmatvec(xq, xd, p, bias, tile, rope)
+
+
+def _rope_args(rope: tuple | None, unused) -> tuple[tuple, dict]:
+    """A mat-vec kernel's RoPE arguments (cos, sin, n_rot) and constexprs (ROPE, HALF) for
+    ``qmatvec``'s ``rope``; ``unused`` stands in for cos and sin without it."""
+    if rope is None:
+        return (unused, unused, 0), {"ROPE": 0, "HALF": 1}
+    cos, sin, n_rot, neox = rope
+    return (cos, sin, n_rot), {"ROPE": 1 if neox else 2, "HALF": cos.shape[1]}
 
 
 def matvec_grid(rows: int, n_chunks: int, tile: tuple[int, int, int, int],
@@ -1315,13 +1436,15 @@ def matvec_grid(rows: int, n_chunks: int, tile: tuple[int, int, int, int],
     return programs, triton.cdiv(n_chunks, cps), cps
 
 
-def _qmatvec(xq, xd, p: Planes, bias, tile: tuple[int, int, int, int]):
+def _qmatvec(xq, xd, p: Planes, bias, tile: tuple[int, int, int, int], rope=None):
     import torch
 
     n = xq.shape[0]
     nq, ng, nsup, n_chunks = _geometry(p)
     bn, ch, warps, _ = tile
     programs, splits, cps = matvec_grid(p.rows, n_chunks, tile, xq.device)
+    assert rope is None or (splits == 1 and bn % 2 == 0), (splits, bn)  # (whole pairs)
+    (cos, sin, n_rot), rope_meta = _rope_args(rope, xd)
     out = torch.empty((n, p.rows), dtype=torch.float32, device=xq.device)
     part, counts = out, xq  # (unused without a split)
     if splits > 1:
@@ -1329,11 +1452,47 @@ def _qmatvec(xq, xd, p: Planes, bias, tile: tuple[int, int, int, int]):
         counts = _counters(xq.device, programs)
     _launch(_qmv_kernel, (programs, splits),
         xq, xd, out, part, counts, bias if bias is not None else xd,
-        *_plane_args(p, _words(p)), p.rows, xq.shape[1], nq // 4, ng, nsup,
-        n_chunks, cps, splits, M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn, CH=ch,
-        HAS_BIAS=bias is not None, SPLIT_K=splits > 1, SPLITS=triton.next_power_of_2(splits),
-        INTERP=_INTERPRETING,
+        *_plane_args(p, _words(p)), cos, sin, p.rows, xq.shape[1], nq // 4, ng, nsup,
+        n_chunks, cps, splits, n_rot, M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn,
+        CH=ch, HAS_BIAS=bias is not None, SPLIT_K=splits > 1,
+        SPLITS=triton.next_power_of_2(splits), **rope_meta, INTERP=_INTERPRETING,
         PIPELINE=matvec_pipeline(n), num_warps=warps)
+    return out
+
+
+def joinable(a: Planes, b: Planes) -> bool:
+    """Can ``qmatvec_joined`` take a and b in one launch? (The same width, so one input's
+    blocks serve both, and rows too short for a split of K: the joined launch has none.)"""
+    return a.padded == b.padded and a.padded // CHUNK < SPLIT_MIN_CHUNKS
+
+
+def qmatvec_joined(xq, xd, a: Planes, b: Planes, bias=None, rope: tuple | None = None):
+    """x @ [A; B].T (+ bias (NA + NB,)) -> (n, NA + NB) f32 for n <= 8 tokens: ``qmatvec``
+    of two ``joinable`` matrices of different block types in one launch (the rows of each
+    as its own mat-vec sums them in the same tile; ``rope``: A's first n_rot rotated, as
+    ``qmatvec`` rotates them). The tile is timed like the mat-vec's, among its unsplit
+    candidates, for the pair."""
+    import torch
+
+    assert joinable(a, b)
+    n = xq.shape[0]
+    out = torch.empty((n, a.rows + b.rows), dtype=torch.float32, device=xq.device)
+    (nqa, nga, nsupa, n_chunks), (nqb, ngb, nsupb, _) = _geometry(a), _geometry(b)
+
+    def run(tile, bias=None, rope=None):
+        bn, ch, warps, _ = tile
+        assert rope is None or bn % 2 == 0, bn  # (whole pairs)
+        (cos, sin, n_rot), rope_meta = _rope_args(rope, xd)
+        _launch(_qmv_joined_kernel, (triton.cdiv(a.rows, bn) + triton.cdiv(b.rows, bn),),
+            xq, xd, out, bias if bias is not None else xd, *_plane_args(a, _words(a)),
+            *_plane_args(b, _words(b)), cos, sin, a.rows, b.rows, xq.shape[1], nqa // 4,
+            nga, nsupa, nqb // 4, ngb, nsupb, n_chunks, n_rot, M=n,
+            MP=triton.next_power_of_2(n), KIND_A=a.kind, KIND_B=b.kind, BN=bn, CH=ch,
+            HAS_BIAS=bias is not None, **rope_meta, INTERP=_INTERPRETING,
+            PIPELINE=matvec_pipeline(n), num_warps=warps)
+
+    # (timed without the bias and RoPE, as qmatvec's)
+    run(_matvec_tile("matvec_joined", (a, b), xq.device, run), bias, rope)
     return out
 
 
@@ -1361,7 +1520,7 @@ def qmatvec_glu(xq, xd, p: Planes, gelu: bool):
             CH=ch, GELU=gelu, K256=256 in blocks, INTERP=_INTERPRETING,
             PIPELINE=matvec_pipeline(n), num_warps=warps)
 
-    run(_matvec_tile("matvec_glu", p, xq.device, run))
+    run(_matvec_tile("matvec_glu", (p,), xq.device, run))
     return out, _as_matvec_blocks(blocks)
 
 

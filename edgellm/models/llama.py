@@ -524,17 +524,13 @@ class Model:
 
     def project_qkv(self, i: int, w: AttentionWeights, x, positions: np.ndarray):
         """Queries (n, H, hd), keys and values (n, KVH, hd) of x (n, d), RoPE applied."""
-        B, a = self.backend, self.args
-        n = x.shape[0]
-        q, k, v = B.matmuls(x, (w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv))
-        q = q.reshape(n, a.n_heads, a.head_dim)
-        k = k.reshape(n, a.n_kv_heads, a.head_dim)
-        v = v.reshape(n, a.n_kv_heads, a.head_dim)
+        a = self.args
         norms = (w.q_norm, w.k_norm, a.norm_eps) if w.q_norm is not None else None
         theta, freq_scale = self.layer_rope(i)
-        q, k = B.rope_qk(q, k, positions, theta, self.rope_neox, self.rope_freqs, freq_scale,
-                         norms)
-        return q, k, v
+        return self.backend.project_qkv(x, (w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv),
+                                        (a.n_heads, a.n_kv_heads, a.head_dim), positions,
+                                        theta, self.rope_neox, self.rope_freqs, freq_scale,
+                                        norms)
 
     def mlp(self, block: Block, x):
         B = self.backend
