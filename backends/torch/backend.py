@@ -367,27 +367,34 @@ class TorchBackend(Backend):
 
     def matmuls(self, x, weights: tuple, biases: tuple | None = None) -> list:
         """Several projections of one input, its activations rounded once per block size;
-        on the GPU path's mat-vec neighbours of one block type run as one (``_stacked``).
-        A prompt's GEMMs take them one by one: one member's f16 tile alive at a time (the
+        on the GPU path's mat-vec neighbours of one block type run as one (``_stacked``),
+        and two of different types that take the same blocks too (``_joined``). A
+        prompt's GEMMs take them one by one: one member's f16 tile alive at a time (the
         peak memory), and inside a graph a launch costs little."""
         x = self.asarray(x).contiguous()
         biases = biases or (None,) * len(weights)
+        return self._run_plan(x, self._stacked(tuple(weights), tuple(biases)))
+
+    def _run_plan(self, x, plan: list, rope: tuple | None = None) -> list:
+        """Each weight's product of a ``_stacked`` plan, in the weights' order: a joined
+        pair in one mat-vec launch, a stack's in one, a prompt's GEMMs member by member.
+        ``rope`` (``kernels.qmatvec``'s; ``project_qkv``'s plans only): the first entry's
+        mat-vec rotates its Q and K rows."""
         done: dict = {}
-        plan = self._stacked(tuple(weights), tuple(biases))
         if (joined := self._joined(plan)) is not None:
             xa = self._activations(x, plan[0][0], done)
             if isinstance(xa, tuple):  # the int8 mat-vec: both block types in one launch
                 a, b, bias = joined
-                out = self.kernels.qmatvec_joined(*xa, a.planes, b.planes, bias)
+                out = self.kernels.qmatvec_joined(*xa, a.planes, b.planes, bias, rope=rope)
                 rows = [m.rows for w, _, members in plan for m, _ in members or ((w, None),)]
                 return list(torch.split(out, rows, dim=1))
         outs = []
-        for w, b, members in plan:
+        for i, (w, b, members) in enumerate(plan):
             xa = self._activations(x, w, done)
             if members is None:
                 outs.append(self._multiply(xa, w, b))
             elif isinstance(xa, tuple):  # the int8 mat-vec: the stack in one launch
-                out = self._multiply(xa, w, b)
+                out = self.kernels.qmatvec(*xa, w.planes, b, rope=rope if i == 0 else None)
                 outs += list(torch.split(out, [m.rows for m, _ in members], dim=1))
             else:
                 outs += [self._multiply(xa, m, mb) for m, mb in members]
@@ -404,23 +411,11 @@ class TorchBackend(Backend):
         if plan is None:
             return super().project_qkv(x, weights, biases, heads, positions, theta, neox,
                                        freq_factors, freq_scale, norms)
-        x = x.contiguous()
         n, (n_heads, n_kv_heads, hd) = x.shape[0], heads
         cos, sin = self.rope_tables(positions, hd, theta, freq_factors, freq_scale)
-        rope = (cos, sin, (n_heads + n_kv_heads) * hd, neox)
-        done: dict = {}
-        xq, xd = self._activations(x, plan[0][0], done)
-        joined = self._joined(plan)
-        if joined is not None:  # Q, K and V in one launch
-            a, b, bias = joined
-            out = self.kernels.qmatvec_joined(xq, xd, a.planes, b.planes, bias, rope=rope)
-            q, k, v = torch.split(out, [n_heads * hd, n_kv_heads * hd, n_kv_heads * hd], dim=1)
-        else:  # the stack's launch (Q, K and V, or Q and K), then V's (EDGELLM_UNFUSE=join)
-            first, bias, members = plan[0]
-            out = self.kernels.qmatvec(xq, xd, first.planes, bias, rope=rope)
-            q, k, *v = torch.split(out, [m.rows for m, _ in members], dim=1)
-            v = v[0] if v else self._multiply(self._activations(x, plan[1][0], done),
-                                              plan[1][0], plan[1][1])
+        # (joined: one launch; else the stack's, then V's apart: EDGELLM_UNFUSE=join)
+        q, k, v = self._run_plan(x.contiguous(), plan,
+                                 rope=(cos, sin, (n_heads + n_kv_heads) * hd, neox))
         return (q.reshape(n, n_heads, hd), k.reshape(n, n_kv_heads, hd),
                 v.reshape(n, n_kv_heads, hd))
 
@@ -485,10 +480,7 @@ class TorchBackend(Backend):
                 or not self.kernels.joinable(a.planes, b.planes)
                 or (self.cuda and torch.cuda.is_current_stream_capturing())):
             return None
-        bias = None
-        if ba is not None or bb is not None:
-            bias = torch.cat([v if v is not None else torch.zeros(w.rows, device=self.device)
-                              for w, v in ((a, ba), (b, bb))])
+        bias = self._joined_biases((a, b), (ba, bb))
         joined = self._joins[key] = (a, b, bias)  # the weights kept: their ids stay theirs
         return joined
 
@@ -498,11 +490,16 @@ class TorchBackend(Backend):
             w.planes = view
         first = weights[0]
         stacked = TorchWeight(first.qtype, whole.rows, first.cols, planes=whole)
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else torch.zeros(w.rows, device=self.device)
-                              for w, b in zip(weights, biases, strict=True)])
+        bias = self._joined_biases(weights, biases)
         return stacked, bias, tuple(zip(weights, biases, strict=True))
+
+    def _joined_biases(self, weights: tuple, biases: tuple) -> torch.Tensor | None:
+        """The biases of matrices whose rows one launch writes one after another, as one
+        (zeros for a matrix without); None where none has one."""
+        if all(b is None for b in biases):
+            return None
+        return torch.cat([b if b is not None else torch.zeros(w.rows, device=self.device)
+                          for w, b in zip(weights, biases, strict=True)])
 
     def _multiply(self, xa, w: TorchWeight, bias) -> torch.Tensor:
         """xa (as ``_activations`` prepared it) @ w.T (+ bias)."""

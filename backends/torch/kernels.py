@@ -446,13 +446,14 @@ def _pair_angles(cos_ptr, sin_ptr, rows, n_rot, M, HALF: tl.constexpr, ROPE: tl.
 @triton.jit
 def _rotated(acc, rows, n_rot, cos, sin, BN: tl.constexpr, MP: tl.constexpr):
     """acc (BN, MP) with its rows in RoPE pairs at positions 2i, 2i + 1 (``_rope_order``):
-    each pair (a, b) of rows below n_rot rotated as _rope_kernel rotates it, (a cos - b sin,
-    a sin + b cos), by ``_pair_angles``' cos and sin (BN / 2, MP); the rest as it is."""
+    each pair (a, b) of rows below n_rot rotated (``_rotate``) by ``_pair_angles``' cos and
+    sin (BN / 2, MP); the rest as it is."""
     a, b = tl.split(tl.permute(tl.reshape(acc, (BN // 2, 2, MP)), (0, 2, 1)))
     first, _ = tl.split(tl.reshape(rows, (BN // 2, 2)))
     turn = (first < n_rot)[:, None]
-    a2 = tl.where(turn, a * cos - b * sin, a)
-    b2 = tl.where(turn, a * sin + b * cos, b)
+    a_turned, b_turned = _rotate(a, b, cos, sin)
+    a2 = tl.where(turn, a_turned, a)
+    b2 = tl.where(turn, b_turned, b)
     return tl.reshape(tl.permute(tl.join(a2, b2), (0, 2, 1)), (BN, MP))
 
 
@@ -803,6 +804,13 @@ def _rope_pairs(HALF: tl.constexpr, NEOX: tl.constexpr):
 
 
 @triton.jit
+def _rotate(a, b, cos, sin):
+    """RoPE's rotation of the pairs (a, b) by their angles: (a cos - b sin, a sin + b cos)
+    (every kernel that rotates: the same arithmetic, so the same bits)."""
+    return a * cos - b * sin, a * sin + b * cos
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HD: tl.constexpr, HALF: tl.constexpr,
                  NEOX: tl.constexpr, PDL: tl.constexpr):
     """x (n, H, HD) rotated by the angles of its token: cos/sin (n, HD/2)."""
@@ -816,8 +824,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HD: tl.constexpr, HALF: tl
     ia, ib = _rope_pairs(HALF, NEOX)
     a = tl.load(x_ptr + base + ia)
     b = tl.load(x_ptr + base + ib)
-    tl.store(out_ptr + base + ia, a * cos - b * sin)
-    tl.store(out_ptr + base + ib, a * sin + b * cos)
+    a, b = _rotate(a, b, cos, sin)
+    tl.store(out_ptr + base + ia, a)
+    tl.store(out_ptr + base + ib, b)
 
 
 @triton.jit
@@ -851,8 +860,9 @@ def _rope_qk_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_p
         r = tl.sqrt_rn(tl.sum(x * x, axis=0) / HD + eps)
         a = a / r * wa
         b = b / r * wb
-    tl.store(dst + ia, a * cos - b * sin)
-    tl.store(dst + ib, a * sin + b * cos)
+    a, b = _rotate(a, b, cos, sin)
+    tl.store(dst + ia, a)
+    tl.store(dst + ib, b)
 
 
 @triton.jit
