@@ -11,6 +11,11 @@ the launches of a real decode step in the interpreter and ask how each compiles 
     python -m tests.offline_sm90 --tuning FILE  # a tuning file's mat-vec tiles: registers,
                                     # programs a multiprocessor, waves
 
+EDGELLM_SM90_TRITON=DIR (a folder holding another triton package, as ``pip install --target``
+makes one) compiles with that triton instead, in a child process: the lent GPUs run an
+older triton than this machine, whose code generation can differ (registers, spills);
+``benchmarks/sm90_preflight.sh`` runs the tests and the table that way.
+
 Under TRITON_INTERPRET=1 (the tests here) the kernels are the interpreter's, so the compile
 runs in a child process without it.
 """
@@ -34,6 +39,8 @@ MULTIPROCESSORS = 132  # an H100 SXM's and an H200's
 _POINTER = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int64": "*i64",
             "int32": "*i32", "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
+#: a folder with another triton to compile with (a child process imports it first)
+OTHER_TRITON = "EDGELLM_SM90_TRITON"
 
 
 @dataclass
@@ -46,6 +53,7 @@ class Compiled:
     spilt_bytes: int  # the stack frame per thread: local memory that registers spilt to
     shared_bytes: int = 0  # shared memory per program (the layout conversions' scratch)
     warps: int = 4
+    compiler: str = ""  # the triton that compiled it: version and package folder
 
     @property
     def per_multiprocessor(self) -> int:
@@ -101,14 +109,18 @@ def launch_spec(kernel, args: tuple, meta: dict) -> dict:
 
 
 def compile_specs(specs: list[dict]) -> list[Compiled]:
-    """``launch_spec``s compiled for sm_90: here, or where this process's kernels are
-    triton's interpreter's (TRITON_INTERPRET=1: nothing to compile), in a child process
-    without it."""
+    """``launch_spec``s compiled for sm_90: here, or in a child process where this
+    process's kernels are triton's interpreter's (TRITON_INTERPRET=1: nothing to compile;
+    the child runs without it) or another triton is asked for (OTHER_TRITON: the child
+    imports it first)."""
     from edgellm.backends.torch import kernels
 
-    if not kernels._INTERPRETING:
+    other = os.environ.get(OTHER_TRITON)
+    if not kernels._INTERPRETING and not other:
         return [_compile(spec) for spec in specs]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if other:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (other, env.get("PYTHONPATH"))))
     done = subprocess.run([sys.executable, "-m", "tests.offline_sm90", "--specs"],
                           input=json.dumps(specs), capture_output=True, text=True, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -129,7 +141,8 @@ def _compile(spec: dict) -> Compiled:
     compiled = triton.compile(source, target=SM90, options=spec["options"])
     registers, stack = _resources(compiled.asm["cubin"])
     return Compiled(spec["kernel"], compiled.asm["ptx"], registers, stack,
-                    compiled.metadata.shared, compiled.metadata.num_warps)
+                    compiled.metadata.shared, compiled.metadata.num_warps,
+                    f"triton {triton.__version__} in {os.path.dirname(triton.__file__)}")
 
 
 #: an sm_90 multiprocessor's limits: registers, resident warps and programs, shared memory
@@ -332,6 +345,7 @@ def main() -> None:
         return
 
     # (the three models' attention heads, and their largest mat-vecs)
+    print(compile_launch(*matvec_launch(256, 256, Q.Q8_0)).compiler)
     for label, shape in (("Qwen2.5 1.5B", (12, 2, 128)), ("Qwen2.5 0.5B", (14, 2, 64)),
                          ("Gemma 3 270M", (4, 1, 256))):
         for storage in (656, 4096, 32768):

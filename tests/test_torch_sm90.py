@@ -228,6 +228,19 @@ def test_dependent_launches_wait_before_they_read(tmp_path, monkeypatch):
         assert not c.lines("griddepcontrol"), c.name
 
 
+def test_another_triton_compiles_in_a_child(tmp_path, monkeypatch):
+    """EDGELLM_SM90_TRITON=DIR: the compiles run in a child process that imports triton from
+    DIR first (``benchmarks/sm90_preflight.sh``'s way to the lent GPUs' older triton); here
+    DIR holds a link to this machine's own, and the kernel says which compiled it."""
+    import triton
+
+    (tmp_path / "triton").symlink_to(os.path.dirname(triton.__file__))
+    monkeypatch.setenv(offline_sm90.OTHER_TRITON, str(tmp_path))
+    compiled = offline_sm90.compile_launch(*offline_sm90.matvec_launch(256, 256, Q.Q8_0))
+    assert compiled.compiler == f"triton {triton.__version__} in {tmp_path / 'triton'}"
+    assert compiled.registers > 0 and compiled.spilt_bytes == 0
+
+
 def test_programs_per_multiprocessor():
     """An sm_90 multiprocessor's share: 64K registers given out a warp at a time in units
     of 256, at most 64 warps and 32 programs, 228 KB of shared memory with 1 KB a program
