@@ -20,7 +20,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/edgellm-out}
-STEPS=${STEPS:-"tests+plaintests llama bench anatomy pipeline pdl plainbench pdlprompt tune ab fusions qkv ctx sampling engine profile prefill mem memwhere memctx matvec sweep"}
+STEPS=${STEPS:-"tests+plaintests llama bench anatomy pipeline pdl plainbench pdlprompt tune ab fusions qkv loops ctx sampling engine profile prefill mem memwhere memctx matvec sweep"}
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-100000}
 LOGS=/tmp/edgellm-logs
@@ -205,6 +205,15 @@ step_fusions() {
 # stays a launch: its Q/K norms need whole heads)
 step_qkv() {
     decode_ab EDGELLM_UNFUSE "${QKV_ORDER:-join,rope , join,rope ,}" "$LARGE" "$GEMMA"
+}
+# decode of the 1.5B with looping mat-vec tiles among those timed (the default: gate+up and
+# the output projection, kernels.matvec_candidates) and without (EDGELLM_MATVEC_LOOPS=0),
+# taking turns in one process (each mode's first turn tunes its own tiles)
+step_loops() {
+    enough 60 "loops A/B" || return
+    timeout "$(limit 240)" python3 benchmarks/torch_decode_ab.py "$LARGE" \
+        --turns "EDGELLM_MATVEC_LOOPS=${LOOP_MODES:-0,1}" 2>&1 \
+        | tee -a "$LOGS/decode_loops.txt" | tail -n 3
 }
 
 # decode over a chat's cache (4096 slots: the default context) and a long one, against the

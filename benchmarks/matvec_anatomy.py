@@ -150,11 +150,13 @@ def _stream_kernel(words_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def grid_of(p, tile: tuple, glu: bool) -> tuple[int, int, int]:
     """(programs, splits, chunks per split) as ``kernels.qmatvec`` / ``qmatvec_glu`` launch
-    ``tile`` over p (the GLU: a program per BN gate rows, all of K)."""
+    ``tile`` over p (the GLU: a program per BN gate rows, all of K), but a program a row
+    block where the tile loops over blocks (the figures' own kernels do not loop)."""
     n_chunks = kernels._geometry(p)[3]
     if glu:
         return triton.cdiv(p.rows // 2, tile[0]), 1, n_chunks
-    return kernels.matvec_grid(p.rows, n_chunks, tile, p.q.device)
+    programs, splits, cps = kernels.matvec_grid(p.rows, n_chunks, tile, p.q.device)
+    return max(programs, triton.cdiv(p.rows, tile[0])), splits, cps
 
 
 def launches(p, xq, xd, tile: tuple, glu: bool) -> dict:

@@ -66,7 +66,7 @@ def _turns(model, var: str, values: list[str]):
 
     def use(value: str) -> None:
         backend.kernels._pdl_devices.clear()  # (_pdl reads EDGELLM_PDL again, and
-        backend.kernels._pipeline_mode.clear()  # matvec_pipeline its variable)
+        backend.kernels._env_flags.clear()  # the mat-vecs theirs)
         os.environ[var] = value
         backend.graphs = stores[value]
     return use

@@ -53,22 +53,20 @@ def copies(p, count: int) -> list:
     return out
 
 
-def time_graph(mats: list, n: int, tile=None, target=None) -> float:
-    """Microseconds per launch: one launch per copy captured in a graph, replayed."""
+def time_graph(mats: list, n: int, tile=None) -> float:
+    """Microseconds per launch: one launch per copy captured in a graph, replayed (in
+    ``tile``, all four of its numbers, where given)."""
     x = torch.randn(n, mats[0].cols, device="cuda")
     p0 = mats[0]
     xq, xd = kernels.quantize_activations(x, 256 if p0.qtype in K_QUANTS else 32, p0.padded)
-    saved, saved_target = dict(kernels.MATVEC_TILES), kernels.PROGRAMS_PER_SM
+    saved = dict(kernels.MATVEC_TILES)
     if tile:
         kernels.MATVEC_TILES[p0.kind] = tile
-    if target is not None:
-        kernels.PROGRAMS_PER_SM = target
     try:
         return replayed_us([lambda p=p: kernels.qmatvec(xq, xd, p) for p in mats])
     finally:
         kernels.MATVEC_TILES.clear()
         kernels.MATVEC_TILES.update(saved)
-        kernels.PROGRAMS_PER_SM = saved_target
 
 
 def replayed_us(runs: list) -> float:
@@ -106,9 +104,10 @@ def main() -> None:
                       f"{p.nbytes / us / 1e3:.0f} GB/s", flush=True)
             continue
         results = []
-        for tile in kernels.matvec_candidates(p.padded // 64):
+        for tile in kernels.matvec_candidates(p.padded // 64,
+                                              p.rows >= kernels.LOOP_MIN_ROWS):
             try:
-                us = time_graph(mats, 1, tile[:3], tile[3])
+                us = time_graph(mats, 1, tile)
             except Exception as exc:  # a tile too large for the registers
                 print(f"  {tile}: {type(exc).__name__}")
                 continue

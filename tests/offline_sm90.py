@@ -286,7 +286,7 @@ def tuned_matvec_launch(op: str, kind: int, rows: int, n_chunks: int, tile: tupl
                         pipeline: int = 1) -> tuple[tuple, int]:
     """((kernel, args, meta), programs) of a decode mat-vec ("matvec", or "matvec_glu" over
     gate and up stacked: ``rows`` both) of ``kind`` blocks in ``tile`` (rows per program,
-    chunks per step, warps, programs per multiprocessor a K split aims at) and loop
+    chunks per step, warps, programs a multiprocessor aimed at: ``kernels.matvec_grid``) and loop
     ``pipeline`` (``kernels.matvec_pipeline``'s mode): a tuning file's choice as a GPU
     would launch it, one token."""
     from edgellm.backends.torch import kernels
@@ -294,9 +294,9 @@ def tuned_matvec_launch(op: str, kind: int, rows: int, n_chunks: int, tile: tupl
 
     qtype = {k: q for q, k in KINDS.items()}[kind]
     planes, xq, xd = _zero_matvec_inputs(rows, n_chunks * 64, qtype, 1)
-    saved = dict(kernels.MATVEC_TILES), kernels.PROGRAMS_PER_SM, dict(kernels._pipeline_mode)
-    kernels.MATVEC_TILES[kind], kernels.PROGRAMS_PER_SM = tuple(tile[:3]), tile[3]
-    kernels._pipeline_mode["env"] = pipeline
+    saved = dict(kernels.MATVEC_TILES), dict(kernels._env_flags)
+    kernels.MATVEC_TILES[kind] = tuple(tile)  # (all four: as kept, not timed)
+    kernels._env_flags["EDGELLM_MATVEC_PIPELINE"] = bool(pipeline)
     grids: list = []
     try:
         launch = _recorded(lambda: kernels.qmatvec_glu(xq, xd, planes, False)
@@ -305,9 +305,8 @@ def tuned_matvec_launch(op: str, kind: int, rows: int, n_chunks: int, tile: tupl
     finally:
         kernels.MATVEC_TILES.clear()
         kernels.MATVEC_TILES.update(saved[0])
-        kernels.PROGRAMS_PER_SM = saved[1]
-        kernels._pipeline_mode.clear()
-        kernels._pipeline_mode.update(saved[2])
+        kernels._env_flags.clear()
+        kernels._env_flags.update(saved[1])
     programs = 1
     for n in grids[0]:
         programs *= n

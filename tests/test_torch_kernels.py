@@ -152,16 +152,100 @@ def test_pipelined_matvecs_equal_the_plain_loop(qtype, n, monkeypatch):
 
     assert kernels.matvec_pipeline(1) == 1 and kernels.matvec_pipeline(n) == (1 if n == 1 else 0)
     results = {}
-    monkeypatch.setattr(kernels, "_pipeline_mode", {})  # (the mode read is kept there)
+    monkeypatch.setattr(kernels, "_env_flags", {})  # (the mode read is kept there)
     for mode in ("1", "0"):
         monkeypatch.setenv("EDGELLM_MATVEC_PIPELINE", mode)
-        kernels._pipeline_mode.clear()
+        kernels._env_flags.clear()
         assert kernels.matvec_pipeline(1) == int(mode)  # (read again: the mode runs)
         results[mode] = run()
     for got in results["1"][:2]:
         assert_is_product(got, round_activations_like_ggml(x, qtype), w)
     assert all(torch.equal(a, b) for a, b in zip(results["1"], results["0"], strict=True))
     assert all(not c.any() for c in kernels._split_counters.values())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [1, 3])
+def test_looping_matvecs_equal_a_program_a_block(qtype, n, monkeypatch):
+    """Tiles that aim at fewer programs than there are row blocks (``matvec_grid``): each
+    program loops over blocks i, i + programs, ... (asking L2 for the next one's weights)
+    and gives, bit for bit, what a program a block gives: the mat-vec with its bias, the
+    Q8_0 stack rotating Q and K, and the gate+up GLU with its 8-bit blocks (whose last
+    program of each 256 outputs now may be any looping program). 1 token (the loads a step
+    ahead) and 3."""
+    from edgellm.backends.torch.packing import stack_rows
+
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda device: 1)
+    # 5 blocks of 16 rows on 2 programs; the GLU's 17 (two of 256 outputs) on 2
+    cols, rows, F = 512, 80, 272
+    assert kernels.matvec_grid(rows, cols // 64, (16, 8, 4, 2), torch.device(DEVICE)) == (
+        2, 1, 8)
+    p = uploaded(random_tensor(qtype, rows, cols, seed=n), rows, cols)
+    halves = [uploaded(random_tensor(qtype, F, cols, seed=n + i), F, cols) for i in (1, 2)]
+    stacked, _ = stack_rows(halves, torch.cat)
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    xq, xd = kernels.quantize_activations(t(x), 256 if qtype in K_QUANTS else 32, p.padded)
+    bias = t(rng.standard_normal(rows).astype(np.float32))
+    angles = (np.arange(n) + 3.0)[:, None] * 10000.0 ** (-np.arange(0, 16, 2) / 16)
+    rope = (t(np.cos(angles).astype(np.float32)), t(np.sin(angles).astype(np.float32)), 64,
+            True)
+
+    def run(per_sm: int) -> list:
+        tile = (16, 8, 4, per_sm)
+        monkeypatch.setitem(kernels.MATVEC_TILES, KINDS[qtype], tile)
+        glu, blocks = kernels.qmatvec_glu(xq, xd, stacked, False)
+        return [kernels._qmatvec(xq, xd, p, bias, tile),
+                kernels._qmatvec(xq, xd, p, bias, tile, rope if qtype == Q.Q8_0 else None),
+                glu, *[b for size in sorted(blocks) for b in blocks[size]]]
+
+    launched: list = []
+    real_launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda kernel, grid, *a, **meta: (
+        launched.append((kernel.__name__, grid, meta.get("LOOP"))),
+        real_launch(kernel, grid, *a, **meta))[1])
+    looped, apart = run(2), run(0)
+    assert [g for g in launched if g[0] != "_quantize_kernel"] == [
+        ("_qmv_glu_kernel", (2,), True), ("_qmv_kernel", (2, 1), True),
+        ("_qmv_kernel", (2, 1), True), ("_qmv_glu_kernel", (17,), False),
+        ("_qmv_kernel", (5, 1), False), ("_qmv_kernel", (5, 1), False)]
+    if EXACT:
+        assert all(torch.equal(a, b) for a, b in zip(looped, apart, strict=True))
+    else:
+        for a, b in zip(looped, apart, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * b.abs().max().item())
+    assert all(not c.any() for c in kernels._split_counters.values())
+
+
+@pytest.mark.parametrize("loops", ["1", "0"], ids=["loops", "no-loops"])
+def test_looping_tiles_are_timed_for_matrices_of_many_rows(loops, monkeypatch):
+    """Matrices of LOOP_MIN_ROWS rows or more (here lowered to 64) are timed in looping
+    tiles too (after the others), and the one kept runs and computes the product;
+    EDGELLM_MATVEC_LOOPS=0 times none of them, under a key of its own (an A/B)."""
+    monkeypatch.setattr(kernels, "LOOP_MIN_ROWS", 64)
+    monkeypatch.setattr(kernels, "_env_flags", {})
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda device: 1)
+    monkeypatch.setenv("EDGELLM_MATVEC_LOOPS", loops)
+    rows, cols = 80, 512  # 5 blocks of 16 rows: a looping tile's 4 programs loop
+    tensor = random_tensor(Q.Q4_K, rows, cols, seed=3)
+    w = dequantize(tensor.data, Q.Q4_K).reshape(rows, cols)
+    p = uploaded(tensor, rows, cols)
+    x = np.random.default_rng(3).standard_normal((1, cols)).astype(np.float32)
+    xq, xd = kernels.quantize_activations(t(x), 256, p.padded)
+    candidates = kernels.matvec_candidates(cols // 64, loops == "1")
+    plain = kernels.matvec_candidates(cols // 64)
+    assert candidates[:len(plain)] == plain and all(c[3] == 0 for c in plain)
+    assert [c[3] > 0 for c in candidates[len(plain):]] == [True] * 4 * (loops == "1")
+    scripted = PickingTuner(len(candidates) - 1, launch_all=False)
+    _install(monkeypatch, str(xq.device), scripted)
+    launched: list = []
+    real_launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda kernel, grid, *a, **meta: (
+        launched.append((grid, meta.get("LOOP"))), real_launch(kernel, grid, *a, **meta))[1])
+    assert_is_product(kernels.qmatvec(xq, xd, p), round_activations_like_ggml(x, Q.Q4_K), w)
+    key = f"matvec:{KINDS[Q.Q4_K]}:{rows}:{cols // 64}" + ("" if loops == "1" else ":unlooped")
+    assert scripted._choices == {key: candidates[-1]}
+    assert launched[-1] == (((4, 1), True) if loops == "1" else ((3, 1), False))
 
 
 @pytest.mark.parametrize("qtype,rows,cols", [(Q.Q4_K, 5, 1536), (Q.Q5_0, 9, 640),

@@ -135,6 +135,29 @@ def test_decode_matvec_keeps_to_registers(rows, cols, qtype, tokens):
     assert compiled.spilt_bytes == 0, compiled.registers
 
 
+@pytest.mark.parametrize("op,kind,rows,tile", [
+    ("matvec_glu", 5, 17920, (16, 8, 4, 4)), ("matvec", 7, 151936, (8, 8, 4, 2)),
+    ("matvec", 7, 151936, (16, 8, 4, 4))], ids=["gate-up-1.5b", "output-1.5b", "output-16"])
+def test_looping_matvecs_keep_to_registers(op, kind, rows, tile):
+    """Looping tiles (fewer programs than row blocks, each looping over blocks: the 1.5B's
+    gate+up GLU and output projection, as a GPU's tuner may keep them) as a tuning file's
+    tile compiles: the loop is compiled in, nothing spilt, and each block's L2 requests for
+    the next block's weights come after the wait for the launch before (PDL 2: those of
+    the first block before it)."""
+    (kernel, args, meta), programs = offline_sm90.tuned_matvec_launch(op, kind, rows, 24, tile)
+    assert meta["LOOP"] and programs == tile[3] * offline_sm90.MULTIPROCESSORS
+    looped, apart = offline_sm90.compile_specs([
+        offline_sm90.launch_spec(kernel, args, {**meta, "PDL": 2, "launch_pdl": True}),
+        offline_sm90.launch_spec(kernel, args, {**meta, "LOOP": False, "PDL": 2,
+                                                "launch_pdl": True})])
+    print(f"{op} {rows} rows in {tile}: {looped.registers} registers looping, "
+          f"{apart.registers} a program a block")
+    assert looped.spilt_bytes == 0, looped.registers
+    wait = min(looped.lines(r"griddepcontrol\.wait"))
+    assert looped.lines(r"prefetch\.global\.L2")[0] < wait < looped.lines(
+        r"prefetch\.global\.L2")[-1]
+
+
 @pytest.mark.parametrize("tokens", [1, 8], ids=["decode", "speculative"])
 @pytest.mark.parametrize("a,b,cols,hd", [((Q.Q4_K, 1792), (Q.Q6_K, 256), 1536, 128),
                                          ((Q.Q5_0, 1024), (Q.Q8_0, 128), 896, 64)],

@@ -463,8 +463,8 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
                 n_splits, n_rot, M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr,
                 BN: tl.constexpr, CH: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SPLIT_K: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr,
-                HALF: tl.constexpr, INTERP: tl.constexpr, PIPELINE: tl.constexpr,
-                PDL: tl.constexpr):
+                HALF: tl.constexpr, LOOP: tl.constexpr, INTERP: tl.constexpr,
+                PIPELINE: tl.constexpr, PDL: tl.constexpr):
     """out (M, N) = x @ W.T with x as int8 blocks: xq (M, KW) int32 words of 4 int8 values,
     xd (M, KW / 8) f32 the scale of each 32 values, CH chunks a step (``_qmv_rows``).
     Program (i, j) takes rows i * BN.. and chunks j * cps.. (a
@@ -474,24 +474,68 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
     of at least n_splits, the combine's unrolled loads). ROPE (unsplit; 1: NEOX, 2: adjacent
     pairs): the first n_rot rows, Q's and K's heads of 2 HALF, rotated by the angles of
     cos/sin (M, HALF) (as ``rope_qk`` rotates them, the bias added first), each program
-    taking whole pairs (``_rope_order``)."""
+    taking whole pairs (``_rope_order``). LOOP (unsplit, fewer programs than row blocks):
+    program i takes row blocks i, i + programs, ..., asking L2 for the next one's weights
+    before it sums one (``_qmv_block``)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     c_end = tl.minimum(split * cps + cps, n_chunks)
-    t = pid * BN + tl.arange(0, BN)  # (BN,) the tile's positions
-    rows = _rope_order(t, n_rot, HALF, ROPE)
-    rmask = t < N
     if PDL == 2:
-        _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask,
-                          split * cps, c_end, nqw, ng, nsup, KIND)
+        _prefetch_block(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, pid, N, split * cps,
+                        c_end, nqw, ng, nsup, n_rot, KIND, BN, ROPE, HALF)
     _await_inputs(PDL)
+    if LOOP:
+        programs = tl.num_programs(0)
+        for blk in range(pid, tl.cdiv(N, BN), programs):
+            if not INTERP:  # (an L2 hint: no interpreter stand-in)
+                _prefetch_block(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, blk + programs, N,
+                                0, n_chunks, nqw, ng, nsup, n_rot, KIND, BN, ROPE, HALF)
+            _qmv_block(blk, 0, xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr,
+                       qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, cos_ptr, sin_ptr, N, KW, nqw, ng,
+                       nsup, 0, n_chunks, n_splits, n_rot, M, MP, KIND, BN, CH, HAS_BIAS,
+                       False, SPLITS, ROPE, HALF, INTERP, PIPELINE)
+    else:
+        _qmv_block(pid, split, xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr,
+                   qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, cos_ptr, sin_ptr, N, KW, nqw, ng, nsup,
+                   split * cps, c_end, n_splits, n_rot, M, MP, KIND, BN, CH, HAS_BIAS,
+                   SPLIT_K, SPLITS, ROPE, HALF, INTERP, PIPELINE)
+
+
+@triton.jit
+def _block_rows(blk, N, n_rot, BN: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
+    """Row block blk's rows (BN,) in the order its sums are kept (``_rope_order``), and
+    which of them are rows of the matrix."""
+    t = blk * BN + tl.arange(0, BN)  # (BN,) the tile's positions
+    return _rope_order(t, n_rot, HALF, ROPE), t < N
+
+
+@triton.jit
+def _prefetch_block(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, blk, N, c0, c1, nqw, ng, nsup,
+                    n_rot, KIND: tl.constexpr, BN: tl.constexpr, ROPE: tl.constexpr,
+                    HALF: tl.constexpr):
+    """Row block blk's weights, chunks c0..c1, into L2 (``_prefetch_weights``; nothing for
+    a block past the last)."""
+    rows, rmask = _block_rows(blk, N, n_rot, BN, ROPE, HALF)
+    _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask, c0, c1, nqw,
+                      ng, nsup, KIND)
+
+
+@triton.jit
+def _qmv_block(blk, split, xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr,
+               qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, cos_ptr, sin_ptr, N, KW, nqw, ng, nsup,
+               c_start, c_end, n_splits, n_rot, M: tl.constexpr, MP: tl.constexpr,
+               KIND: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr,
+               HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SPLITS: tl.constexpr,
+               ROPE: tl.constexpr, HALF: tl.constexpr, INTERP: tl.constexpr,
+               PIPELINE: tl.constexpr):
+    """``_qmv_kernel``'s work on row block blk, chunks c_start..c_end (its split)."""
+    rows, rmask = _block_rows(blk, N, n_rot, BN, ROPE, HALF)
     if HAS_BIAS:  # (loaded before the loop: after its sums' reductions, a wait of its own)
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0)
     if ROPE:  # (the angles too)
         cos, sin = _pair_angles(cos_ptr, sin_ptr, rows, n_rot, M, HALF, ROPE, BN, MP)
     acc = _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, rows, rmask,
-                    split * cps, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP,
-                    PIPELINE)
+                    c_start, c_end, KW, nqw, ng, nsup, M, MP, KIND, BN, CH, INTERP, PIPELINE)
     mcol = tl.arange(0, MP)
     if HAS_BIAS:
         acc += tl.where(split == 0, bias, 0.0)[:, None]  # once, by the first split
@@ -502,7 +546,7 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
     if SPLIT_K:
         tl.store(part_ptr + split * (M * N) + at, acc, mask=omask)
         tl.debug_barrier()  # every thread's partial written before the count is released
-        finished = tl.atomic_add(count_ptr + pid, 1)  # acq_rel: sees the others' partials
+        finished = tl.atomic_add(count_ptr + blk, 1)  # acq_rel: sees the others' partials
         if finished == n_splits - 1:
             total = tl.zeros((BN, MP), dtype=tl.float32)
             # (unrolled: every split's partials load at once, not a few at a time as a
@@ -512,7 +556,7 @@ def _qmv_kernel(xq_ptr, xd_ptr, out_ptr, part_ptr, count_ptr, bias_ptr, q_ptr, q
                 total += tl.load(part_ptr + j * (M * N) + at, mask=live, other=0.0,
                                  cache_modifier=".cg")
             tl.store(out_ptr + at, total, mask=omask)
-            tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch
+            tl.atomic_xchg(count_ptr + blk, 0)  # ready for the next launch
     else:
         tl.store(out_ptr + at, acc, mask=omask)
 
@@ -573,24 +617,66 @@ def _qmv_glu_kernel(xq_ptr, xd_ptr, out_ptr, count_ptr, q_ptr, qh_ptr, s_ptr, m_
                     dm_ptr, F, KW, nqw, ng, nsup, n_chunks, KP, q32_ptr, d32_ptr, q256_ptr,
                     d256_ptr, M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr,
                     BN: tl.constexpr, CH: tl.constexpr, GELU: tl.constexpr,
-                    K256: tl.constexpr, INTERP: tl.constexpr, PIPELINE: tl.constexpr,
-                    PDL: tl.constexpr):
+                    K256: tl.constexpr, LOOP: tl.constexpr, INTERP: tl.constexpr,
+                    PIPELINE: tl.constexpr, PDL: tl.constexpr):
     """out (M, F) = act(x @ G.T) * (x @ U.T) for gate and up stacked as one matrix (rows
     0..F and F..2F), and out's 8-bit blocks for the down projection: the mat-vec, the GLU
     and its quantization (``then_quantize``'s) in one launch. A program takes gate rows
     i * BN.. and the same up rows, all of K, as one tile of 2 BN rows (gate row j, up row
     j, ...: one load a step for both, ``_qmv_rows``); the last program of each 256 outputs
-    to finish (a counter each, as the split-K mat-vec) quantizes them."""
+    to finish (a counter each, as the split-K mat-vec) quantizes them. LOOP (fewer
+    programs than row blocks): program i takes blocks i, i + programs, ..., asking L2 for
+    the next one's weights before it sums one."""
     pid = tl.program_id(0)
-    rows = pid * BN + tl.arange(0, BN)
-    rmask = rows < F
-    pair = tl.arange(0, 2 * BN)
-    both = pid * BN + pair // 2 + (pair % 2) * F  # (2 BN,) rows of the stacked matrix
-    bmask = pid * BN + pair // 2 < F
     if PDL == 2:
-        _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, both, bmask, 0,
-                          n_chunks, nqw, ng, nsup, KIND)
+        _prefetch_glu_block(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, pid, F, n_chunks, nqw,
+                            ng, nsup, KIND, BN)
     _await_inputs(PDL)
+    if LOOP:
+        programs = tl.num_programs(0)
+        for blk in range(pid, tl.cdiv(F, BN), programs):
+            if not INTERP:  # (an L2 hint: no interpreter stand-in)
+                _prefetch_glu_block(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, blk + programs,
+                                    F, n_chunks, nqw, ng, nsup, KIND, BN)
+            _qmv_glu_block(blk, xq_ptr, xd_ptr, out_ptr, count_ptr, q_ptr, qh_ptr, s_ptr,
+                           m_ptr, d_ptr, dm_ptr, F, KW, nqw, ng, nsup, n_chunks, KP, q32_ptr,
+                           d32_ptr, q256_ptr, d256_ptr, M, MP, KIND, BN, CH, GELU, K256,
+                           INTERP, PIPELINE)
+    else:
+        _qmv_glu_block(pid, xq_ptr, xd_ptr, out_ptr, count_ptr, q_ptr, qh_ptr, s_ptr, m_ptr,
+                       d_ptr, dm_ptr, F, KW, nqw, ng, nsup, n_chunks, KP, q32_ptr, d32_ptr,
+                       q256_ptr, d256_ptr, M, MP, KIND, BN, CH, GELU, K256, INTERP, PIPELINE)
+
+
+@triton.jit
+def _glu_block_rows(blk, F, BN: tl.constexpr):
+    """GLU row block blk's rows of the stacked gate+up matrix (2 BN,) (gate row j, up row
+    j, ...) and which of them are rows of it."""
+    pair = tl.arange(0, 2 * BN)
+    both = blk * BN + pair // 2 + (pair % 2) * F
+    return both, blk * BN + pair // 2 < F
+
+
+@triton.jit
+def _prefetch_glu_block(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, blk, F, n_chunks, nqw, ng,
+                        nsup, KIND: tl.constexpr, BN: tl.constexpr):
+    """GLU row block blk's gate and up weights into L2 (nothing for a block past the
+    last)."""
+    both, bmask = _glu_block_rows(blk, F, BN)
+    _prefetch_weights(q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, both, bmask, 0, n_chunks,
+                      nqw, ng, nsup, KIND)
+
+
+@triton.jit
+def _qmv_glu_block(blk, xq_ptr, xd_ptr, out_ptr, count_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr,
+                   dm_ptr, F, KW, nqw, ng, nsup, n_chunks, KP, q32_ptr, d32_ptr, q256_ptr,
+                   d256_ptr, M: tl.constexpr, MP: tl.constexpr, KIND: tl.constexpr,
+                   BN: tl.constexpr, CH: tl.constexpr, GELU: tl.constexpr,
+                   K256: tl.constexpr, INTERP: tl.constexpr, PIPELINE: tl.constexpr):
+    """``_qmv_glu_kernel``'s work on row block blk."""
+    rows = blk * BN + tl.arange(0, BN)
+    rmask = rows < F
+    both, bmask = _glu_block_rows(blk, F, BN)
     sums = _qmv_rows(xq_ptr, xd_ptr, q_ptr, qh_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, both, bmask,
                      0, n_chunks, KW, nqw, ng, nsup, M, MP, KIND, 2 * BN, CH, INTERP,
                      PIPELINE)
@@ -599,7 +685,7 @@ def _qmv_glu_kernel(xq_ptr, xd_ptr, out_ptr, count_ptr, q_ptr, qh_ptr, s_ptr, m_
     mcol = tl.arange(0, MP)
     at = mcol[None, :].to(tl.int64) * F + rows[:, None]  # (BN, MP) in the (M, F) output
     tl.store(out_ptr + at, _glu_act(gate, GELU) * up, mask=rmask[:, None] & (mcol < M)[None, :])
-    block = pid * BN // 256  # the 256 outputs this program's rows are in
+    block = blk * BN // 256  # the 256 outputs this block's rows are in
     j0 = block * 256
     tl.debug_barrier()  # every thread's outputs written before the count is released
     if tl.atomic_add(count_ptr + block, 1) == tl.cdiv(tl.minimum(F - j0, 256), BN) - 1:
@@ -1270,8 +1356,10 @@ INTERPRETER_ROWS = 64
 #: first use (``tuning.py``).
 SPLIT_MIN_CHUNKS = 64
 PROGRAMS_PER_SM = 8
-#: a tile per block type that overrides ``matvec_tile`` and the tuning (sweeps, tests)
-MATVEC_TILES: dict[int, tuple[int, int, int]] = {}
+#: a tile per block type that overrides ``matvec_tile`` and the tuning (sweeps, tests):
+#: (rows, chunks, warps), aiming at PROGRAMS_PER_SM where K splits, or all four as a tuning
+#: file keeps them
+MATVEC_TILES: dict[int, tuple[int, ...]] = {}
 
 
 def matvec_tile(rows: int, n_chunks: int) -> tuple[int, int, int]:
@@ -1284,18 +1372,30 @@ def matvec_tile(rows: int, n_chunks: int) -> tuple[int, int, int]:
     return (4, 8, 4) if rows > 512 else (2, 8, 4)
 
 
+#: matrices of this many rows or more (short ones) are also timed with looping programs
+LOOP_MIN_ROWS = 4096
+
+
 @functools.cache
-def matvec_candidates(n_chunks: int) -> tuple[tuple[int, int, int, int], ...]:
-    """Tiles (rows per program, chunks per step, warps, programs per multiprocessor that a K
-    split aims at, 0: none) a GPU times for rows of ``n_chunks`` chunks. Short rows: 2-32
+def matvec_candidates(n_chunks: int,
+                      loops: bool = False) -> tuple[tuple[int, int, int, int], ...]:
+    """Tiles (rows per program, chunks per step, warps, programs per multiprocessor aimed
+    at: ``matvec_grid``) a GPU times for rows of ``n_chunks`` chunks. Short rows: 2-32
     rows a program, K in steps of 8 or 16 chunks or in one pass (small matrices are
-    latency-bound: fewer dependent loads); long rows: larger tiles, split K or not."""
+    latency-bound: fewer dependent loads), a program a row block; with ``loops`` (many
+    rows: gate+up, the output projection) also 2 or 4 programs a multiprocessor that
+    loop over the row blocks, each asking L2 for its next block's weights while it sums
+    one (no tail of a last, partly full wave of programs; untimed until a GPU's tuner
+    times them). Long rows: larger tiles, split K or not."""
     if n_chunks >= SPLIT_MIN_CHUNKS:
         return tuple((bn, ch, 4, per_sm) for bn, ch in ((8, 8), (16, 8), (16, 16), (32, 8))
                      for per_sm in (0, 8, 16))
     steps = sorted({min(ch, triton.next_power_of_2(n_chunks)) for ch in (8, 16, 32)})
+    # (4 warps: 2-4 such programs fit a multiprocessor, where 8 warps' may not fit twice)
+    looping = tuple((bn, ch, 4, per_sm) for bn in (8, 16) for ch in steps[:2]
+                    if bn * ch <= 128 for per_sm in (2, 4)) if loops else ()
     return tuple((bn, ch, 4 if bn * ch <= 128 else 8, 0) for bn in (2, 4, 8, 16, 32)
-                 for ch in steps)
+                 for ch in steps) + looping
 
 
 def _matvec_tile(op: str, parts: tuple[Planes, ...], device,
@@ -1306,32 +1406,44 @@ def _matvec_tile(op: str, parts: tuple[Planes, ...], device,
     token count met, usually decode's one: a tile per count would compile every candidate
     for each of 1..8 tokens)."""
     n_chunks = parts[0].padded // CHUNK
+    rows = sum(p.rows for p in parts)
     fixed = next((MATVEC_TILES[p.kind] for p in parts if p.kind in MATVEC_TILES), None)
-    bn, ch, warps = fixed or matvec_tile(sum(p.rows for p in parts), n_chunks)
+    if fixed and len(fixed) == 4:  # (a whole tile, as a tuning file keeps it)
+        return fixed
+    bn, ch, warps = fixed or matvec_tile(rows, n_chunks)
     tile = bn, ch, warps, (PROGRAMS_PER_SM if n_chunks >= SPLIT_MIN_CHUNKS else 0)
     if fixed:  # (a sweep's or a test's: not timed)
         return tile
     shape = tuple(x for p in parts for x in (p.kind, p.rows))
     key = (op, *shape, n_chunks) + (() if matvec_pipeline(1) else ("unpipelined",))
-    return tuning.choose(device, key, matvec_candidates(n_chunks), run, tile)
+    loopable = op != "matvec_joined" and rows >= LOOP_MIN_ROWS
+    if loopable and not _env_on("EDGELLM_MATVEC_LOOPS"):  # (an A/B: kept apart)
+        key, loopable = key + ("unlooped",), False
+    return tuning.choose(device, key, matvec_candidates(n_chunks, loopable), run, tile)
 
 
 def matvec_pipeline(tokens: int) -> bool:
     """Does a mat-vec over ``tokens`` tokens load each step a step ahead (``_qmv_rows``)?
     A lone token's does (decode), unless EDGELLM_MATVEC_PIPELINE=0 (an A/B on a GPU: the
     same sums in the same order either way); 2-8 tokens' do not (carrying the weights
-    would take the stacked gate+up from 138 registers to 181 at 8 tokens). The variable
-    is read at the first mat-vec and kept in ``_pipeline_mode`` (every launch asks,
-    twice: 1.4 us a read of the environment; clear it to read it again)."""
-    on = _pipeline_mode.get("env")
+    would take the stacked gate+up from 138 registers to 181 at 8 tokens)."""
+    return _env_on("EDGELLM_MATVEC_PIPELINE") and tokens == 1
+
+
+def _env_on(var: str) -> bool:
+    """Is the environment variable ``var`` unset or other than "0"? Read at its first use
+    and kept in ``_env_flags`` (every launch asks: 1.4 us a read of the environment; clear
+    it to read again). EDGELLM_MATVEC_PIPELINE (``matvec_pipeline``) and
+    EDGELLM_MATVEC_LOOPS=0 (no looping tiles timed, an A/B: ``_matvec_tile``)."""
+    on = _env_flags.get(var)
     if on is None:
-        on = _pipeline_mode["env"] = os.environ.get("EDGELLM_MATVEC_PIPELINE", "1") != "0"
-    return on and tokens == 1
+        on = _env_flags[var] = os.environ.get(var, "1") != "0"
+    return on
 
 
 _sm_counts: dict = {}
 _pdl_devices: dict = {}  # device -> launch with PDL there (``_pdl``)
-_pipeline_mode: dict = {}  # "env" -> EDGELLM_MATVEC_PIPELINE is not "0" (``matvec_pipeline``)
+_env_flags: dict = {}  # variable -> it is unset or not "0" (``_env_on``)
 _split_counters: dict = {}  # device -> int32 counters (split-K mat-vec, attention; self-resetting)
 
 
@@ -1433,13 +1545,24 @@ def _rope_args(rope: tuple | None, unused) -> tuple[tuple, dict]:
     return (cos, sin, n_rot), {"ROPE": 1 if neox else 2, "HALF": cos.shape[1]}
 
 
+def matvec_programs(blocks: int, per_sm: int, device) -> int:
+    """Programs of a mat-vec launch over ``blocks`` row blocks that aims at ``per_sm``
+    programs a multiprocessor (0: a program a block): a program a block, or where there
+    are more blocks than that aim, that many programs, each looping over blocks."""
+    return min(blocks, per_sm * _multiprocessors(device)) if per_sm else blocks
+
+
 def matvec_grid(rows: int, n_chunks: int, tile: tuple[int, int, int, int],
                 device) -> tuple[int, int, int]:
     """(programs, K splits, chunks per split) of ``qmatvec``'s launch of ``tile`` over
-    ``rows`` rows of ``n_chunks`` chunks: K is split until about tile[3] programs run per
-    multiprocessor (0: not split), in whole steps of tile[1] chunks."""
+    ``rows`` rows of ``n_chunks`` chunks, aiming at about tile[3] programs a multiprocessor
+    (0: a program a row block, K whole): fewer row blocks than that split K, in whole steps
+    of tile[1] chunks; more are looped over (``matvec_programs``), K whole."""
     bn, ch, _, per_sm = tile
-    programs = triton.cdiv(rows, bn)
+    blocks = triton.cdiv(rows, bn)
+    programs = matvec_programs(blocks, per_sm, device)
+    if programs < blocks:
+        return programs, 1, triton.cdiv(n_chunks, ch) * ch
     wanted = triton.cdiv(per_sm * _multiprocessors(device), programs)
     splits = max(1, min(triton.cdiv(n_chunks, ch), wanted))
     cps = triton.cdiv(triton.cdiv(n_chunks, splits), ch) * ch  # chunks per split
@@ -1465,7 +1588,8 @@ def _qmatvec(xq, xd, p: Planes, bias, tile: tuple[int, int, int, int], rope=None
         *_plane_args(p, _words(p)), cos, sin, p.rows, xq.shape[1], nq // 4, ng, nsup,
         n_chunks, cps, splits, n_rot, M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn,
         CH=ch, HAS_BIAS=bias is not None, SPLIT_K=splits > 1,
-        SPLITS=triton.next_power_of_2(splits), **rope_meta, INTERP=_INTERPRETING,
+        SPLITS=triton.next_power_of_2(splits), **rope_meta,
+        LOOP=programs < triton.cdiv(p.rows, bn), INTERP=_INTERPRETING,
         PIPELINE=matvec_pipeline(n), num_warps=warps)
     return out
 
@@ -1523,12 +1647,13 @@ def qmatvec_glu(xq, xd, p: Planes, gelu: bool):
 
     def run(tile):
         bn, ch, warps, _ = tile
-        _launch(_qmv_glu_kernel, (triton.cdiv(F, bn),),
+        programs = matvec_programs(triton.cdiv(F, bn), tile[3], xq.device)
+        _launch(_qmv_glu_kernel, (programs,),
             xq, xd, out, _counters(xq.device, triton.cdiv(F, 256)),
             *_plane_args(p, _words(p)), F, xq.shape[1], nq // 4, ng, nsup, n_chunks, padded,
             *_q8_args(blocks, out), M=n, MP=triton.next_power_of_2(n), KIND=p.kind, BN=bn,
-            CH=ch, GELU=gelu, K256=256 in blocks, INTERP=_INTERPRETING,
-            PIPELINE=matvec_pipeline(n), num_warps=warps)
+            CH=ch, GELU=gelu, K256=256 in blocks, LOOP=programs < triton.cdiv(F, bn),
+            INTERP=_INTERPRETING, PIPELINE=matvec_pipeline(n), num_warps=warps)
 
     run(_matvec_tile("matvec_glu", (p,), xq.device, run))
     return out, _as_matvec_blocks(blocks)
