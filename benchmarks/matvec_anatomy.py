@@ -155,8 +155,8 @@ def grid_of(p, tile: tuple, glu: bool) -> tuple[int, int, int]:
     n_chunks = kernels._geometry(p)[3]
     if glu:
         return triton.cdiv(p.rows // 2, tile[0]), 1, n_chunks
-    programs, splits, cps = kernels.matvec_grid(p.rows, n_chunks, tile, p.q.device)
-    return max(programs, triton.cdiv(p.rows, tile[0])), splits, cps
+    _, splits, cps = kernels.matvec_grid(p.rows, n_chunks, tile, p.q.device)
+    return triton.cdiv(p.rows, tile[0]), splits, cps
 
 
 def launches(p, xq, xd, tile: tuple, glu: bool) -> dict:

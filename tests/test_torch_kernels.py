@@ -46,6 +46,19 @@ def _install(monkeypatch, device: str, tuner) -> None:
     monkeypatch.setattr(tuning, "_by_device", {})
 
 
+def _launches(monkeypatch) -> list:
+    """Every kernel launch from here on, as (kernel name, grid, constexprs and options),
+    each still run."""
+    launched: list = []
+    launch = kernels._launch
+
+    def recorded(kernel, grid, *args, **meta):
+        launched.append((kernel.__name__, grid, meta))
+        launch(kernel, grid, *args, **meta)
+    monkeypatch.setattr(kernels, "_launch", recorded)
+    return launched
+
+
 def uploaded(tensor, rows, cols):
     return pack(tensor.data, tensor.qtype, rows, cols).upload(DEVICE)
 
@@ -199,13 +212,10 @@ def test_looping_matvecs_equal_a_program_a_block(qtype, n, monkeypatch):
                 kernels._qmatvec(xq, xd, p, bias, tile, rope if qtype == Q.Q8_0 else None),
                 glu, *[b for size in sorted(blocks) for b in blocks[size]]]
 
-    launched: list = []
-    real_launch = kernels._launch
-    monkeypatch.setattr(kernels, "_launch", lambda kernel, grid, *a, **meta: (
-        launched.append((kernel.__name__, grid, meta.get("LOOP"))),
-        real_launch(kernel, grid, *a, **meta))[1])
+    launched = _launches(monkeypatch)
     looped, apart = run(2), run(0)
-    assert [g for g in launched if g[0] != "_quantize_kernel"] == [
+    assert [(name, grid, meta.get("LOOP")) for name, grid, meta in launched
+            if name != "_quantize_kernel"] == [
         ("_qmv_glu_kernel", (2,), True), ("_qmv_kernel", (2, 1), True),
         ("_qmv_kernel", (2, 1), True), ("_qmv_glu_kernel", (17,), False),
         ("_qmv_kernel", (5, 1), False), ("_qmv_kernel", (5, 1), False)]
@@ -238,14 +248,12 @@ def test_looping_tiles_are_timed_for_matrices_of_many_rows(loops, monkeypatch):
     assert [c[3] > 0 for c in candidates[len(plain):]] == [True] * 4 * (loops == "1")
     scripted = PickingTuner(len(candidates) - 1, launch_all=False)
     _install(monkeypatch, str(xq.device), scripted)
-    launched: list = []
-    real_launch = kernels._launch
-    monkeypatch.setattr(kernels, "_launch", lambda kernel, grid, *a, **meta: (
-        launched.append((grid, meta.get("LOOP"))), real_launch(kernel, grid, *a, **meta))[1])
+    launched = _launches(monkeypatch)
     assert_is_product(kernels.qmatvec(xq, xd, p), round_activations_like_ggml(x, Q.Q4_K), w)
     key = f"matvec:{KINDS[Q.Q4_K]}:{rows}:{cols // 64}" + ("" if loops == "1" else ":unlooped")
     assert scripted._choices == {key: candidates[-1]}
-    assert launched[-1] == (((4, 1), True) if loops == "1" else ((3, 1), False))
+    _, grid, meta = launched[-1]
+    assert (grid, meta["LOOP"]) == (((4, 1), True) if loops == "1" else ((3, 1), False))
 
 
 @pytest.mark.parametrize("qtype,rows,cols", [(Q.Q4_K, 5, 1536), (Q.Q5_0, 9, 640),
@@ -860,14 +868,12 @@ def test_matmuls_join_two_block_types_in_one_launch(unfused, monkeypatch):
     be = TorchBackend(device=DEVICE, triton=not torch.cuda.is_available())
     ws = [be.prepare(t_) for t_ in tensors]
     bs = [be.asarray(b) for b in biases]
-    launched = []
-    launch = kernels._launch
-    monkeypatch.setattr(kernels, "_launch", lambda kernel, *a, **k: (
-        launched.append(kernel.fn.__name__), launch(kernel, *a, **k)))
+    launches = _launches(monkeypatch)
     for n in (1, 2):
         x = be.asarray(rng.standard_normal((n, 512)).astype(np.float32))
-        launched.clear()
+        launches.clear()
         got = be.matmuls(x, ws, bs)
+        launched = [name for name, _, _ in launches]
         mat_vecs = [name for name in launched if name.startswith("_qmv")]
         assert mat_vecs == (["_qmv_kernel", "_qmv_kernel"] if unfused
                             else ["_qmv_joined_kernel"])
