@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class ExitChat(Exception):
-    """The user asked to leave (/exit, /bye)."""
+    """The user asked to leave (/exit, /quit, /bye)."""
 
 
 class Output(Protocol):
@@ -186,7 +186,8 @@ def cmd_stats(state: ReplState, arg: str) -> None:
 
 COMMANDS: dict[str, tuple[Handler, str]] = {
     "help": (cmd_help, "this list"),
-    "exit": (cmd_exit, "leave (also /bye, Ctrl-D)"),
+    "exit": (cmd_exit, "leave (also /quit, /bye, Ctrl-D)"),
+    "quit": (cmd_exit, "leave"),
     "bye": (cmd_exit, "leave"),
     "clear": (cmd_clear, "forget the conversation"),
     "system": (cmd_system, "TEXT: set the system prompt (empty: template default)"),

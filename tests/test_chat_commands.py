@@ -78,8 +78,8 @@ def test_set_changes_params_and_rejects_bad_values(state):
     assert state.verbose is False
 
 
-def test_exit_and_bye_leave(state):
-    for line in ("/exit", "/bye"):
+def test_exit_quit_and_bye_leave(state):
+    for line in ("/exit", "/quit", "/bye", "/QUIT"):
         with pytest.raises(ExitChat):
             run_command(state, line)
 
